@@ -1,0 +1,243 @@
+"""The `pagoda` command line.
+
+    pagoda serve [--model DIR|HUB_ID] [--port 50051] ...     run the gRPC server (server/main.py)
+    pagoda generate "Hello" [--stream] [sampling flags]      one completion from a server
+    pagoda chat                                             an interactive, streamed conversation
+    pagoda tokenize "Hello"  |  pagoda info  |  pagoda stats
+    pagoda offline "Hello"                                  generate in this process, without a server
+
+Heavy imports (torch, grpc, the engine) happen inside the subcommands so `pagoda --help` stays fast.
+"""
+import argparse
+import os
+import sys
+
+
+def _offline(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    out = llm.generate([args.prompt], params)[0]
+    print(out.text)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server.main import run
+
+    return run(args)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    # server/main.py imports grpc only, not torch/the engine, so this stays cheap.
+    from server.main import add_serve_args
+
+    add_serve_args(p)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=os.environ.get("PAGODA_TARGET", "localhost:50051"),
+                   help="server address host:port (default: localhost:50051) [env PAGODA_TARGET]")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of each call in seconds (default: none)")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (unset: the server's default)")
+    g.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float)
+    g.add_argument("--max-tokens", type=int, help="server default: 256, capped by the context")
+    g.add_argument("--min-tokens", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", action="append", type=int, default=[], dest="stop_token_ids",
+                   help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--priority", type=int, default=0, help="lower is scheduled first (default 0)")
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority")
+    return {n: getattr(args, n) for n in names}
+
+
+def _rpc_errors(fn):
+    """Runs a client subcommand; a gRPC error becomes one line on stderr and exit status 1."""
+    def wrapped(args):
+        import grpc
+
+        try:
+            return fn(args)
+        except grpc.RpcError as e:
+            print(f"pagoda: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    return wrapped
+
+
+def _print_json(msg) -> None:
+    from google.protobuf import json_format
+
+    print(json_format.MessageToJson(msg, preserving_proto_field_name=True,
+                                    always_print_fields_with_no_presence=True))
+
+
+@_rpc_errors
+def _generate(args: argparse.Namespace) -> int:
+    from client.client import Client
+
+    kw = _sampling_kwargs(args)
+    kw.update(logprobs=args.logprobs, top_logprobs=args.top_logprobs)
+    prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
+    with Client(args.target, timeout=args.timeout) as c:
+        if args.json:
+            if args.stream:
+                for msg in c.generate_stream(prompt, **kw):
+                    _print_json(msg)
+            else:
+                _print_json(c.generate(prompt, **kw))
+            return 0
+        if args.stream:
+            last = None
+            for msg in c.generate_stream(prompt, **kw):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                last = msg
+        else:
+            last = c.generate(prompt, **kw)
+            sys.stdout.write(last.text)
+        sys.stdout.write("\n")
+        if args.verbose and last is not None:
+            from pagoda.v1 import generation_pb2 as pb
+
+            u = last.usage
+            print(f"[{pb.FinishReason.Name(last.finish_reason)}; prompt {u.prompt_tokens} tokens, "
+                  f"completion {u.completion_tokens}, cached {u.cached_prompt_tokens}]", file=sys.stderr)
+    return 0
+
+
+@_rpc_errors
+def _chat(args: argparse.Namespace) -> int:
+    from client.client import Client
+
+    kw = _sampling_kwargs(args)
+    messages = [("system", args.system)] if args.system else []
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("pagoda chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
+    with Client(args.target, timeout=args.timeout) as c:
+        while True:
+            if interactive:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = sys.stdin.readline()
+            if not line or not line.strip():
+                return 0
+            line = line.rstrip("\n")
+            if line.strip() == "/reset":
+                messages = messages[:1] if args.system else []
+                continue
+            messages.append(("user", line))
+            reply = []
+            for msg in c.generate_stream(messages=messages, **kw):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                reply.append(msg.text)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages.append(("assistant", "".join(reply)))
+
+
+@_rpc_errors
+def _tokenize(args: argparse.Namespace) -> int:
+    from client.client import Client
+
+    with Client(args.target, timeout=args.timeout) as c:
+        print(" ".join(str(t) for t in c.tokenize(args.text)))
+    return 0
+
+
+@_rpc_errors
+def _info(args: argparse.Namespace) -> int:
+    from client.client import Client
+
+    with Client(args.target, timeout=args.timeout) as c:
+        _print_json(c.model_info())
+    return 0
+
+
+@_rpc_errors
+def _stats(args: argparse.Namespace) -> int:
+    from client.client import Client
+
+    with Client(args.target, timeout=args.timeout) as c:
+        _print_json(c.stats())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="LLM text generation over gRPC")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the gRPC server",
+                       description="Run the pagoda.v1 gRPC server (with grpc.health.v1 and server reflection). "
+                                   "Every flag can also be set as the PAGODA_* environment variable shown.")
+    _add_serve_args(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("generate", help="generate a completion from a server")
+    p.add_argument("prompt", help="prompt text (or comma-separated token ids with --token-ids)")
+    p.add_argument("--stream", action="store_true", help="print the completion as it is generated")
+    p.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
+    p.add_argument("--logprobs", action="store_true", help="ask for logprobs (shown with --json)")
+    p.add_argument("--top-logprobs", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print the response message(s) as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="print finish reason and usage to stderr")
+    _add_sampling(p)
+    _add_target(p)
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("chat", help="chat interactively (streamed, keeps the conversation)")
+    p.add_argument("--system", default=None, help="system message opening the conversation")
+    _add_sampling(p)
+    _add_target(p)
+    p.set_defaults(func=_chat)
+
+    p = sub.add_parser("tokenize", help="print the token ids of a text")
+    p.add_argument("text")
+    _add_target(p)
+    p.set_defaults(func=_tokenize)
+
+    p = sub.add_parser("info", help="print the served model and the server's limits (JSON)")
+    _add_target(p)
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("stats", help="print the server's load and KV cache occupancy (JSON)")
+    _add_target(p)
+    p.set_defaults(func=_stats)
+
+    p = sub.add_parser("offline", help="generate in this process, without a server")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=None, help="HF directory or hub id (default: built-in demo model)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""A small Python client for pagoda.v1.GenerationService, sync (Client) and asyncio (AsyncClient).
+
+    from client.client import Client
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("Hello", max_tokens=20, temperature=0).text)
+        for piece in c.generate_stream("Hello", max_tokens=20):
+            print(piece.text, end="", flush=True)
+
+The methods return the generated protobuf messages (pagoda.v1.generation_pb2); failures raise
+grpc.RpcError (grpc.aio.AioRpcError for AsyncClient) with the server's status code and message.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Iterable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagoda.v1 import generation_pb2 as pb
+from pagoda.v1 import generation_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "localhost:50051"
+SERVICE_NAME = "pagoda.v1.GenerationService"
+
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
+             "frequency_penalty")
+
+
+def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterable | None = None,
+                  stream: bool = False, request_id: str = "",
+                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                  min_p: float | None = None, seed: int | None = None, repetition_penalty: float | None = None,
+                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                  max_tokens: int | None = None, min_tokens: int | None = None, stop: Iterable[str] = (),
+                  stop_token_ids: Iterable[int] = (), ignore_eos: bool = False, logprobs: bool = False,
+                  top_logprobs: int | None = None, priority: int = 0):
+    """A GenerateRequest (or GenerateStreamRequest with stream=True). The prompt is text (str), token
+    ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts.
+    None leaves a field unset, so the server's default applies."""
+    req = pb.GenerateStreamRequest() if stream else pb.GenerateRequest()
+    req.request_id = request_id
+    if messages is not None:
+        for m in messages:
+            role, content = (m["role"], m["content"]) if isinstance(m, dict) else m
+            req.messages.messages.add(role=role, content=content)
+    elif isinstance(prompt, str):
+        req.text = prompt
+    elif prompt is not None:
+        req.token_ids.ids.extend(prompt)
+    values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                  frequency_penalty=frequency_penalty)
+    for name in _SAMPLING:
+        if values[name] is not None:
+            setattr(req.sampling, name, values[name])
+    if max_tokens is not None:
+        req.stopping.max_tokens = max_tokens
+    if min_tokens is not None:
+        req.stopping.min_tokens = min_tokens
+    req.stopping.stop.extend(stop)
+    req.stopping.stop_token_ids.extend(stop_token_ids)
+    req.stopping.ignore_eos = ignore_eos
+    req.logprobs = logprobs
+    if top_logprobs is not None:
+        req.top_logprobs = top_logprobs
+    req.priority = priority
+    return req
+
+
+class Client:
+    """Blocking client. `timeout` (seconds) is the default deadline of each call; None: no deadline."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+                 channel: grpc.Channel | None = None):
+        self.channel = channel or grpc.insecure_channel(target)
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.timeout = timeout
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _t(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    def generate(self, prompt=None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+        """The whole completion; keyword arguments as build_request."""
+        return self.stub.Generate(build_request(prompt, **kw), timeout=self._t(timeout))
+
+    def generate_stream(self, prompt=None, *, timeout: float | None = None, **kw) -> Iterator[pb.GenerateStreamResponse]:
+        """The completion as it is produced. The returned iterator is also a grpc.Call: .cancel() stops it."""
+        return self.stub.GenerateStream(build_request(prompt, stream=True, **kw), timeout=self._t(timeout))
+
+    def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self._t(timeout)).token_ids)
+
+    def model_info(self, *, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+
+    def stats(self, *, timeout: float | None = None) -> pb.GetStatsResponse:
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self._t(timeout))
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """"SERVING", "NOT_SERVING", ... (grpc.health.v1) for the whole server ("") or a service."""
+        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout) or 5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Blocks until the server reports SERVING; raises TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health(timeout=min(5.0, max(0.1, deadline - time.monotonic()))) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not SERVING after {timeout:g}s")
+            time.sleep(0.1)
+
+
+class AsyncClient:
+    """asyncio client; same methods as Client, awaitable (generate_stream is an async iterator)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+                 channel: grpc.aio.Channel | None = None):
+        self.channel = channel or grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.timeout = timeout
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _t(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    async def generate(self, prompt=None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+        return await self.stub.Generate(build_request(prompt, **kw), timeout=self._t(timeout))
+
+    async def generate_stream(self, prompt=None, *, timeout: float | None = None,
+                              **kw) -> AsyncIterator[pb.GenerateStreamResponse]:
+        call = self.stub.GenerateStream(build_request(prompt, stream=True, **kw), timeout=self._t(timeout))
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()  # no-op once the call has finished; stops the server's work if we left early
+
+    async def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
+        resp = await self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self._t(timeout))
+        return list(resp.token_ids)
+
+    async def model_info(self, *, timeout: float | None = None) -> pb.GetModelInfoResponse:
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+
+    async def stats(self, *, timeout: float | None = None) -> pb.GetStatsResponse:
+        return await self.stub.GetStats(pb.GetStatsRequest(), timeout=self._t(timeout))
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                            timeout=self._t(timeout) or 5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def collect(stream: Iterable[pb.GenerateStreamResponse]) -> pb.GenerateResponse:
+    """Joins a stream into what Generate returns for the same request."""
+    out = pb.GenerateResponse()
+    text = []
+    for msg in stream:
+        out.request_id = msg.request_id
+        text.append(msg.text)
+        out.token_ids.extend(msg.token_ids)
+        out.logprobs.extend(msg.logprobs)
+        if msg.finish_reason:
+            out.finish_reason = msg.finish_reason
+        if msg.HasField("usage"):
+            out.usage.CopyFrom(msg.usage)
+    out.text = "".join(text)
+    return out

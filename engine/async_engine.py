@@ -1,0 +1,190 @@
+"""The asyncio front: the engine loop runs in its own thread; each request gets an asyncio
+queue of deltas. add/abort cross into the loop through an inbox; outputs cross back with
+one call_soon_threadsafe per step."""
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig
+from engine.errors import EngineClosedError, EngineError, InvalidRequestError, QueueFullError
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("pagoda.engine")
+_ids = itertools.count()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.model_info = self.engine.model_info()
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._num_pending = 0  # added but not yet seen by the loop
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
+        self._stats = self.engine.stats()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def stats(self):
+        """The snapshot taken after the latest step (uptime read now)."""
+        return dataclasses.replace(self._stats, uptime_s=time.monotonic() - self.engine.started)
+
+    # ---- requests ----
+
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        if self._closed:
+            raise EngineClosedError("the engine is shut down")
+        request_id = request_id or f"req-{next(_ids)}"
+        seq = self.engine.make_sequence(prompt, params, request_id, priority)  # raises InvalidRequestError
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cv:
+            if self._stats.num_waiting + self._num_pending >= self.config.max_queue_len:
+                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); "
+                                     f"retry later")
+            if request_id in self._queues:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+            self._queues[request_id] = (asyncio.get_running_loop(), queue)
+            self._num_pending += 1
+            self._inbox.append(("add", seq))
+            self._cv.notify()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._inbox.append(("abort", request_id))
+            self._cv.notify()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self._outbox = [(loop, queue, EngineClosedError("the engine shut down"))
+                        for loop, queue in self._queues.values()]
+        self._queues.clear()
+        self._flush()
+
+    # ---- the loop thread ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.engine.has_work() and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                inbox, self._inbox = self._inbox, []
+                self._num_pending = 0
+            for kind, item in inbox:
+                self._apply(kind, item)
+            self._flush()
+            try:
+                updated = self.engine.step()
+            except Exception:  # a bug outside the model run; never let the loop die
+                log.exception("engine step crashed")
+                updated = self._fail_all()
+            self._stats = self.engine.stats()
+            for seq in updated:
+                self._deliver(seq)
+            self._flush()
+
+    def _apply(self, kind: str, item) -> None:
+        if kind == "add":
+            item.num_text_sent = item.num_tokens_sent = 0
+            try:
+                self.engine.add_sequence(item)
+            except Exception as e:
+                entry = self._queues.pop(item.req_id, None)
+                if entry is not None:
+                    self._outbox.append((*entry, e))
+            return
+        seq = self.engine.abort(item)
+        if seq is not None:
+            self._deliver(seq)
+
+    def _fail_all(self) -> list[Sequence]:
+        seqs = list(self.engine.seqs.values())
+        for seq in seqs:
+            self.engine.scheduler.finish(seq, FinishReason.ERROR)
+            seq.error = "internal engine error"
+        self.engine.seqs.clear()
+        return seqs
+
+    def _deliver(self, seq: Sequence) -> None:
+        entry = self._queues.get(seq.req_id)
+        if entry is None:
+            return
+        if seq.is_finished:
+            del self._queues[seq.req_id]
+        if seq.finish_reason is FinishReason.ERROR:
+            item = EngineError(f"request {seq.req_id} failed: {getattr(seq, 'error', 'engine error')}")
+        else:
+            item = _delta(seq)
+        self._outbox.append((*entry, item))
+
+    def _flush(self) -> None:
+        """Hand this step's outputs to their event loops: one wake-up per loop, not per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, queue, item in self._outbox:
+            by_loop.setdefault(loop, []).append((queue, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that event loop is closed
+                pass
+
+
+def _delta(seq: Sequence) -> RequestOutput:
+    """What is new since the last delivery. Text that may yet turn into a stop string is held."""
+    text = seq.detokenizer.text
+    end = len(text)
+    if not seq.is_finished and seq.params.stop:
+        end = max(seq.num_text_sent, end - max(len(s) for s in seq.params.stop) + 1)
+    new_ids = seq.generated_token_ids[seq.num_tokens_sent:]
+    reason = seq.finish_reason
+    out = RequestOutput(
+        request_id=seq.req_id, token_ids=new_ids, text=text[seq.num_text_sent:end],
+        finished=seq.is_finished, finish_reason=reason.public if reason else None,
+        stop_reason=reason.value if reason else None, num_prompt_tokens=seq.num_prompt_tokens,
+        num_generated_tokens=seq.num_generated_tokens, num_cached_tokens=seq.num_cached_tokens,
+        logprobs=seq.logprobs[seq.num_tokens_sent:seq.num_generated_tokens] if seq.params.logprobs else None)
+    seq.num_text_sent, seq.num_tokens_sent = end, seq.num_generated_tokens
+    return out
+
+
+def _put_all(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -1,0 +1,58 @@
+"""The engine's one configuration object, built once and read-only afterwards."""
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+CPU_KV_CACHE_GB = 1.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local HF directory or hub id; None: the built-in demo model
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's bf16/fp16 on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit; else derived from the memory budget below
+    kv_cache_memory_gb: float | None = None  # explicit KV budget; default CPU 1 GiB, CUDA a fraction
+    gpu_memory_utilization: float = 0.9  # fraction of free CUDA memory for KV after the weights
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # default: the checkpoint's context length
+    seed: int = 0
+    attention_backend: str = "auto"
+    max_queue_len: int = 1024  # waiting requests beyond this are refused (QueueFullError)
+
+    def __post_init__(self):
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_queue_len", self.max_queue_len)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _positive_int(name: str, value) -> None:
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

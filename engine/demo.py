@@ -1,0 +1,100 @@
+"""The built-in demo model and tiny test checkpoints, made locally with no network.
+
+Weights are random: the demo shows the machinery, not a language model. Point `model` at a
+real checkpoint (a directory or a hub id) for real text.
+"""
+import os
+import tempfile
+
+_SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+DEMO_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=4, max_position_embeddings=2048)
+_DEMO_VERSION = "1"
+
+
+def build_byte_tokenizer(vocab_size: int | None = None):
+    """A byte-level tokenizer: ids 0..255 are bytes, then special tokens, then (to fill a
+    larger vocabulary) plain tokens <|extra_N|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(_SPECIALS)
+    n = len(vocab) + len(_SPECIALS)
+    if vocab_size is not None and vocab_size > n:
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(vocab_size - n)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
+
+
+def _byte_of(char: str) -> int:
+    from tokenizers.pre_tokenizers import ByteLevel
+    table = getattr(_byte_of, "table", None)
+    if table is None:
+        # GPT-2's byte-to-unicode map: printable bytes map to themselves, the rest above 255
+        printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+        table, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                table[chr(b)] = b
+            else:
+                table[chr(256 + extra)] = b
+                extra += 1
+        _byte_of.table = table
+    assert len(ByteLevel.alphabet()) == 256
+    return table[char]
+
+
+def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Write a small random checkpoint with transformers' own model class, in safetensors."""
+    import torch
+    import transformers as tf
+
+    tokenizer = build_byte_tokenizer(overrides.pop("vocab_size", None))
+    vocab = len(tokenizer)
+    common = dict(vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)
+    if arch == "gpt2":
+        config = tf.GPT2Config(**{**common, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512, **overrides})
+        model_cls = tf.GPT2LMHeadModel
+    else:
+        config_cls, model_cls = {
+            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        }[arch]
+        config = config_cls(**{**common, **small, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def demo_model_path() -> str:
+    """The demo checkpoint, created on first use under the user's cache directory."""
+    root = os.environ.get("PAGODA_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda")
+    path = os.path.join(root, f"demo-llama-v{_DEMO_VERSION}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=root, prefix=".demo-")
+    build_tiny_checkpoint(tmp, "llama", seed=0, initializer_range=0.05, **DEMO_CONFIG)
+    try:
+        os.rename(tmp, path)  # atomic: a concurrent builder's copy wins, ours is dropped
+    except OSError:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

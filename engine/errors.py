@@ -1,0 +1,22 @@
+"""Errors the engine raises to its callers."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve; `field` names the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; retry later."""
+
+
+class EngineError(RuntimeError):
+    """The engine step that ran this request failed; the engine keeps serving."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down."""

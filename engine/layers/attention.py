@@ -1,0 +1,108 @@
+"""Attention over the paged KV cache: one interface, a torch implementation (CPU and CUDA).
+
+The flat batch holds single-token queries first (decode), then multi-token ones (prefill
+chunks). Each sequence's new tokens are the last ones of its context, and their K/V are
+written into the cache before attention reads it back.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, a slot per new token
+    num_decode_tokens: int  # the first num_decode_tokens tokens are single-token queries
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, rows padded with -1
+    decode_context_lens: torch.Tensor  # [num_decodes] int32
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefills + 1] int32, into the prefill tokens
+    prefill_context_lens: torch.Tensor  # [num_prefills] int32
+    max_query_len: int
+    max_context_len: int
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    # k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping.long(), k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping.long(), v)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    # -> [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]; padded entries read block 0
+    blocks = cache[block_tables.clamp(min=0).long()]
+    return blocks.flatten(1, 2)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    # q: [num_seqs, num_heads, head_dim] -> out: same shape
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    k = _gather(k_cache, block_tables).transpose(1, 2)  # [S, kvh, L, D]
+    v = _gather(v_cache, block_tables).transpose(1, 2)
+    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [S, kvh, group, D]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [S, kvh, group, L]
+    pos = torch.arange(k.shape[2], device=q.device)
+    scores.masked_fill_((pos[None, :] >= context_lens[:, None]).view(num_seqs, 1, 1, -1), float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v.float())
+    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len):
+    # q: [num_tokens, num_heads, head_dim] flat over sequences -> out: same shape
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), query_lens, output_size=num_tokens)
+    local_idx = torch.arange(num_tokens, device=q.device) - query_start_loc[seq_idx]
+    q_pad = q.new_zeros(num_seqs, max_query_len, num_heads, head_dim)
+    q_pad[seq_idx, local_idx] = q
+    k = _gather(k_cache, block_tables).transpose(1, 2)  # [S, kvh, L, D]
+    v = _gather(v_cache, block_tables).transpose(1, 2)
+    q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_query_len, device=q.device)  # [S, Q]
+    k_pos = torch.arange(k.shape[2], device=q.device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]; padded query rows see >= 1 key
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                         scale=scale, enable_gqa=num_heads != k.shape[1])
+    return out.transpose(1, 2)[seq_idx, local_idx]
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the layer's cache, then attends over the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+        self.backend = TORCH_BACKEND
+
+    def forward(self, q, k, v, meta: AttentionMetadata):
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        b = self.backend
+        b.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return b.decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                      meta.decode_context_lens, self.scale)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = b.decode_attention(q[:nd], self.k_cache, self.v_cache, meta.decode_block_tables,
+                                          meta.decode_context_lens, self.scale)
+        out[nd:] = b.prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables,
+                                       meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
+                                       meta.max_query_len)
+        return out
+
+
+class _TorchBackend:
+    write_kv_cache = staticmethod(write_kv_cache)
+    decode_attention = staticmethod(decode_attention)
+    prefill_attention = staticmethod(prefill_attention)
+
+
+TORCH_BACKEND = _TorchBackend()

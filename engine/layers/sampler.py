@@ -1,0 +1,95 @@
+"""Next-token choice for a whole batch at once: penalties, temperature, top-k, top-p, min-p,
+then greedy rows take the argmax and the rest sample by an exponential race (which lets a
+seeded row draw from its own generator, whatever else is in the batch)."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # [num_seqs] float32; 0 for greedy rows
+    top_k: torch.Tensor | None  # [num_seqs] int64, vocab size where off
+    top_p: torch.Tensor | None  # [num_seqs] float32
+    min_p: torch.Tensor | None  # [num_seqs] float32
+    is_greedy: torch.Tensor  # [num_seqs] bool
+    all_greedy: bool
+    generators: list[tuple[int, torch.Generator]]  # seeded rows
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked to -inf (min_tokens)
+    penalties: "PenaltyTensors | None" = None
+    num_top_logprobs: int = -1  # -1: no logprobs this step
+
+
+@dataclass
+class PenaltyTensors:
+    rows: torch.Tensor  # [R] rows of the batch that have penalties
+    prompt_mask: torch.Tensor  # [R, vocab] bool: token appears in the prompt
+    output_counts: torch.Tensor  # [R, vocab] float32: times generated so far
+    repetition: torch.Tensor  # [R]
+    presence: torch.Tensor  # [R]
+    frequency: torch.Tensor  # [R]
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> None:
+    sub = logits[p.rows]  # [R, vocab]
+    seen = p.prompt_mask | (p.output_counts > 0)
+    rep = p.repetition[:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= p.frequency[:, None] * p.output_counts + p.presence[:, None] * (p.output_counts > 0)
+    logits[p.rows] = sub
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Logits with tokens outside each row's top-k and top-p sets at -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass above it < top_p
+        sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device):
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors):
+        """logits: [num_seqs, vocab] -> (token ids [num_seqs], logprobs or None)."""
+        logits = logits.float()
+        logprobs = _logprobs(logits, t.num_top_logprobs) if t.num_top_logprobs >= 0 else None
+        if t.penalties is not None:
+            apply_penalties(logits, t.penalties)
+        if t.banned is not None:
+            logits[t.banned] = float("-inf")
+        greedy = logits.argmax(dim=-1)
+        if t.all_greedy:
+            return greedy, logprobs
+        temperature = torch.where(t.is_greedy, 1.0, t.temperature)
+        logits = logits / temperature[:, None]
+        if t.top_k is not None or t.top_p is not None:
+            logits = top_k_top_p_mask(logits, t.top_k, t.top_p)
+        if t.min_p is not None:
+            logits = min_p_mask(logits, t.min_p)
+        probs = logits.softmax(dim=-1)
+        race = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, gen in t.generators:
+            race[row].exponential_(generator=gen)
+        sampled = (probs / race).argmax(dim=-1)
+        return torch.where(t.is_greedy, greedy, sampled), logprobs
+
+
+def _logprobs(logits: torch.Tensor, k: int):
+    """The model's own log-probabilities (before penalties and temperature)."""
+    lp = logits.log_softmax(dim=-1)
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    return lp, top

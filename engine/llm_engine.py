@@ -1,0 +1,268 @@
+"""The engine: load a checkpoint, then step: schedule -> run -> postprocess."""
+import dataclasses
+import logging
+import time
+import uuid
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import CPU_KV_CACHE_GB, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError
+from engine.loader import load_hf_config, load_tokenizer, load_weights, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.models import architecture_of, build_model
+from engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("pagoda.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from engine.demo import demo_model_path
+        path = resolve_model_path(config.model) if config.model else demo_model_path()
+        self.hf_config = load_hf_config(path)
+        self.architecture = architecture_of(self.hf_config)
+        self.tokenizer = load_tokenizer(path)
+        self.device = _device(config.device)
+        self.dtype = _dtype(config.dtype, self.hf_config, self.device)
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):
+            model = build_model(self.hf_config).to(self.dtype)
+        load_weights(model, path)
+        self.model = model.eval()
+        self.config = self._resolve(config, path)
+        backend = _attention_backend(self.config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.config.num_kv_blocks, self.config.block_size, self.dtype,
+                                  self.device, self.config.seed, self.hf_config.vocab_size, backend)
+        self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, self.config.max_model_len)
+        self.eos_token_ids = _eos_ids(path, self.hf_config, self.tokenizer)
+        self.seqs: dict[str, Sequence] = {}
+        self.num_prompt_tokens_processed = 0
+        self.num_generated_tokens = 0
+        self.started = time.monotonic()
+
+    def _resolve(self, config: EngineConfig, path: str) -> EngineConfig:
+        """Fill in what the checkpoint and the memory budget decide."""
+        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(config, per_block)
+        if num_blocks < 1:
+            raise ValueError("the KV memory budget holds no block; raise kv_cache_memory_gb or set num_kv_blocks")
+        capacity = num_blocks * config.block_size
+        model_len = _checkpoint_context(self.hf_config)
+        if config.max_model_len is not None:
+            if config.max_model_len > model_len:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the checkpoint's {model_len}")
+            if config.max_model_len > capacity:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache's {capacity} "
+                                 f"tokens; raise num_kv_blocks or kv_cache_memory_gb")
+            model_len = config.max_model_len
+        elif model_len > capacity:
+            log.warning("max_model_len capped at the KV cache capacity: %d tokens", capacity)
+            model_len = capacity
+        return dataclasses.replace(config, model=config.model or path, num_kv_blocks=num_blocks,
+                                   max_model_len=model_len, dtype=str(self.dtype).removeprefix("torch."),
+                                   device=self.device.type)
+
+    def _num_blocks_from_budget(self, config: EngineConfig, per_block: int) -> int:
+        if config.kv_cache_memory_gb is not None:
+            budget = config.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # leave room for activations of the largest step besides the KV cache
+            hidden = self.hf_config.hidden_size
+            activations = config.max_num_batched_tokens * hidden * 64 + config.max_num_seqs * self.hf_config.vocab_size * 8
+            budget = free * config.gpu_memory_utilization - activations
+        else:
+            budget = CPU_KV_CACHE_GB * 2**30
+        return int(budget // per_block)
+
+    # ---- requests ----
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> Sequence:
+        seq = self.make_sequence(prompt, params, request_id, priority)
+        self.add_sequence(seq)
+        return seq
+
+    def make_sequence(self, prompt, params=None, request_id=None, priority=0) -> Sequence:
+        """Validate and tokenize a request; raises InvalidRequestError naming the field."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
+        request_id = request_id or uuid.uuid4().hex
+        text, ids = self._tokenize(prompt)
+        max_len, vocab = self.config.max_model_len, self.hf_config.vocab_size
+        if len(ids) >= max_len:
+            raise InvalidRequestError("prompt", f"has {len(ids)} tokens; max_model_len is {max_len} "
+                                                f"(room for at least one new token is needed)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
+        if len(ids) + max_tokens > max_len:
+            raise InvalidRequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
+                                                    f"exceeds max_model_len ({max_len})")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError("stop_token_ids", f"{bad[0]} is outside the vocabulary (size {vocab})")
+        seq = Sequence(request_id, ids, params, max_tokens, prompt=text, priority=priority,
+                       eos_token_ids=self.eos_token_ids)
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device)
+            seq.generator.manual_seed(params.seed)
+        return seq
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt) if prompt is not None else []
+        if not ids:
+            raise InvalidRequestError("prompt", "is empty")
+        vocab = self.hf_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError("prompt_token_ids", f"{t!r} is not a token id in [0, {vocab})")
+        return None, ids
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.req_id in self.seqs:
+            raise InvalidRequestError("request_id", f"{seq.req_id!r} is already in flight")
+        self.seqs[seq.req_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        return seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ----
+
+    def step(self) -> list[Sequence]:
+        """One engine step; returns the sequences that got a token or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        try:
+            tokens, logprobs = self.runner.run(sched)
+        except Exception as e:
+            log.exception("engine step failed; failing its %d requests", len(sched.seqs))
+            for seq in sched.seqs:
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                seq.error = f"{type(e).__name__}: {e}"
+            self._forget(sched.seqs)
+            return list(sched.seqs)
+        self.num_prompt_tokens_processed += sum(
+            n for s, n in zip(sched.seqs, sched.num_new_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
+        updated = self.scheduler.postprocess(sched, tokens)
+        self.num_generated_tokens += len(updated)
+        if logprobs is not None:
+            for seq, lp in zip(updated, logprobs):
+                if lp is not None:
+                    seq.logprobs.append(TokenLogprob(seq.token_ids[-1], lp[0], lp[1]))
+        self._forget([s for s in updated if s.is_finished])
+        return updated
+
+    def _forget(self, seqs) -> None:
+        for seq in seqs:
+            if seq.finish_reason is not FinishReason.STOP_STRING:
+                seq.detokenizer.flush()  # text held back for an incomplete character
+            self.seqs.pop(seq.req_id, None)
+
+    # ---- reporting ----
+
+    def stats(self) -> EngineStats:
+        b = self.block_manager.stats()
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.num_total_blocks,
+                           b.num_free_blocks, b.num_used_blocks, b.num_wasted_slots,
+                           self.num_prompt_tokens_processed, self.num_generated_tokens,
+                           self.scheduler.num_preemptions, time.monotonic() - self.started)
+
+    def model_info(self) -> ModelInfo:
+        c = self.config
+        return ModelInfo(c.model, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
+                         sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
+                         c.max_num_batched_tokens, c.max_queue_len)
+
+
+def full_output(seq: Sequence) -> RequestOutput:
+    reason = seq.finish_reason
+    return RequestOutput(
+        request_id=seq.req_id, token_ids=seq.generated_token_ids, text=seq.detokenizer.text,
+        finished=seq.is_finished, finish_reason=reason.public if reason else None,
+        stop_reason=reason.value if reason else None, num_prompt_tokens=seq.num_prompt_tokens,
+        num_generated_tokens=seq.num_generated_tokens, num_cached_tokens=seq.num_cached_tokens,
+        logprobs=list(seq.logprobs) if seq.params.logprobs else None, error=getattr(seq, "error", None))
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    ckpt = _DTYPES.get(str(ckpt).removeprefix("torch."), None) if ckpt is not None else None
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _checkpoint_context(hf_config) -> int:
+    n = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # attention here is full; within the window it equals sliding-window attention
+        n = min(n, window)
+    return n
+
+
+def _eos_ids(path: str, hf_config, tokenizer) -> frozenset[int]:
+    ids = set()
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):
+        eos = getattr(hf_config, "eos_token_id", None)
+    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if e is not None:
+            ids.add(int(e))
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _attention_backend(name: str, device: torch.device):
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return None
+    try:
+        from engine.layers import triton_attention
+    except ImportError as e:
+        if name == "triton":
+            raise ValueError(f"attention_backend 'triton' is unavailable: {e}") from e
+        log.warning("Triton attention unavailable (%s); using the torch implementation", e)
+        return None
+    ok, why = triton_attention.is_available(device)
+    if not ok:
+        if name == "triton":
+            raise ValueError(f"attention_backend 'triton' is unavailable: {why}")
+        log.warning("Triton attention unavailable (%s); using the torch implementation", why)
+        return None
+    return triton_attention

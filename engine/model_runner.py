@@ -1,0 +1,153 @@
+"""Runs one scheduled step: builds the flat batch, runs the model, samples the next tokens."""
+import numpy as np
+import torch
+
+from engine.layers.attention import Attention, AttentionMetadata
+from engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_kv_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, seed: int, vocab_size: int, attention_backend=None):
+        self.model, self.device, self.block_size, self.vocab_size = model, device, block_size, vocab_size
+        self.sampler = Sampler(seed, device)
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        kvh, hd = layers[0].num_kv_heads, layers[0].head_dim
+        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(2, len(layers), num_kv_blocks, block_size, kvh, hd, dtype=dtype, device=device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if attention_backend is not None:
+                layer.backend = attention_backend
+
+    @staticmethod
+    def kv_bytes_per_block(hf_model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+        layers = [m for m in hf_model.modules() if isinstance(m, Attention)]
+        per_token = 2 * sum(m.num_kv_heads * m.head_dim for m in layers)
+        return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> tuple[list[int], list | None]:
+        input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
+        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+        sample_seqs = [s for i, s in enumerate(sched.seqs) if sched.samples(i)]
+        if not sample_seqs:
+            return [], None
+        logits = self.model.compute_logits(hidden[logits_idx])  # [num_sampled, vocab]
+        tensors = self._sampling_tensors(sample_seqs)
+        tokens, lp = self.sampler(logits, tensors)
+        if lp is None:
+            return tokens.tolist(), None  # the step's one host-device sync
+        return tokens.tolist(), _logprob_lists(lp, tokens, sample_seqs)
+
+    def _prepare_inputs(self, sched: SchedulerOutput):
+        seqs, counts, bs = sched.seqs, sched.num_new_tokens, self.block_size
+        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
+        counts_np = np.array(counts, dtype=np.int64)
+        ends = starts + counts_np
+        num_tokens = int(counts_np.sum())
+        # positions: each seq's range [start, end), flattened
+        seq_of_token = np.repeat(np.arange(len(seqs)), counts_np)
+        offsets = np.cumsum(counts_np) - counts_np
+        positions = starts[seq_of_token] + np.arange(num_tokens) - offsets[seq_of_token]
+        input_ids = np.concatenate([np.asarray(s.token_ids[a:b]) for s, a, b in zip(seqs, starts, ends)])
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        num_decodes = int(np.sum(counts_np == 1))
+        cu = np.concatenate([[0], np.cumsum(counts_np[num_decodes:])]).astype(np.int32)
+        samples = ends == np.array([s.num_tokens for s in seqs])
+        logits_idx = (np.cumsum(counts_np) - 1)[samples]
+
+        def t(a, dtype):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(slots, torch.int64),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=t(tables[:num_decodes], torch.int32),
+            decode_context_lens=t(ends[:num_decodes], torch.int32),
+            prefill_block_tables=t(tables[num_decodes:], torch.int32),
+            prefill_query_start_loc=t(cu, torch.int32),
+            prefill_context_lens=t(ends[num_decodes:], torch.int32),
+            max_query_len=int(counts_np.max()),
+            max_context_len=int(ends.max()),
+        )
+        return t(input_ids, torch.int64), t(positions, torch.int64), meta, t(logits_idx, torch.int64)
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [s.params for s in seqs]
+        dev = self.device
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        is_greedy = [p.is_greedy for p in params]
+        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        return SamplingTensors(
+            temperature=col([p.temperature for p in params], torch.float32),
+            top_k=col(top_k, torch.int64) if any(k < self.vocab_size for k in top_k) else None,
+            top_p=col(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+            min_p=col(min_p, torch.float32) if any(m > 0 for m in min_p) else None,
+            is_greedy=col(is_greedy, torch.bool),
+            all_greedy=all(is_greedy),
+            generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
+            banned=self._banned(seqs),
+            penalties=self._penalties(seqs),
+            num_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=-1),
+        )
+
+    def _banned(self, seqs: list[Sequence]):
+        """While a sequence is under min_tokens, its EOS and stop tokens cannot be sampled."""
+        rows, toks = [], []
+        for i, s in enumerate(seqs):
+            if s.num_generated_tokens < s.params.min_tokens:
+                ids = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else s.eos_token_ids)
+                ids = [t for t in ids if t < self.vocab_size]
+                rows += [i] * len(ids)
+                toks += ids
+        if not rows:
+            return None
+        return torch.tensor(rows, device=self.device), torch.tensor(toks, device=self.device)
+
+    def _penalties(self, seqs: list[Sequence]) -> PenaltyTensors | None:
+        rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties]
+        if not rows:
+            return None
+        V, dev = self.vocab_size, self.device
+        prompt = torch.zeros(len(rows), V + 1, dtype=torch.bool)
+        counts = torch.zeros(len(rows), V + 1, dtype=torch.float32)
+        for r, i in enumerate(rows):
+            s = seqs[i]
+            prompt[r, torch.tensor(s.token_ids[:s.num_prompt_tokens])] = True
+            out = torch.tensor(s.generated_token_ids, dtype=torch.int64)
+            counts[r].index_add_(0, out, torch.ones(len(out)))
+        ps = [seqs[i].params for i in rows]
+        return PenaltyTensors(
+            rows=torch.tensor(rows, device=dev),
+            prompt_mask=prompt[:, :V].to(dev), output_counts=counts[:, :V].to(dev),
+            repetition=torch.tensor([p.repetition_penalty for p in ps], device=dev),
+            presence=torch.tensor([p.presence_penalty for p in ps], device=dev),
+            frequency=torch.tensor([p.frequency_penalty for p in ps], device=dev))
+
+
+def _logprob_lists(lp, tokens: torch.Tensor, seqs: list[Sequence]):
+    """Per sampled row: (logprob of the chosen token, [(id, logprob)] top list) or None."""
+    full, top = lp
+    chosen = full.gather(1, tokens[:, None])[:, 0].tolist()
+    top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if top is not None else (None, None)
+    out = []
+    for i, s in enumerate(seqs):
+        if not s.params.logprobs:
+            out.append(None)
+            continue
+        k = s.params.top_logprobs
+        pairs = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids else []
+        out.append((chosen[i], pairs))
+    return out

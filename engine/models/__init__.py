@@ -1,0 +1,24 @@
+"""Architectures pagoda runs, keyed by the `architectures` entry of a checkpoint's config.json."""
+from engine.models.gpt2 import GPT2LMHeadModel
+from engine.models.llama import LlamaForCausalLM, qwen2, qwen3
+
+MODELS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": qwen2,
+    "Qwen3ForCausalLM": qwen3,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+}
+
+
+def architecture_of(hf_config) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODELS:
+            return arch
+    raise ValueError(f"model architecture {archs or hf_config.model_type!r} is not supported; "
+                     f"supported: {', '.join(MODELS)}")
+
+
+def build_model(hf_config):
+    return MODELS[architecture_of(hf_config)](hf_config)

@@ -1,0 +1,55 @@
+"""What the engine hands back to its callers."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """A whole completion (LLM.generate) or what is new since the last one (AsyncEngine.generate):
+    token_ids, text and logprobs are then deltas; counts are always cumulative."""
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | None = None  # "eos" | "stop_token" | "stop_string" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None  # the message when finish_reason is "error"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_wasted_slots: int
+    num_prompt_tokens_processed: int
+    num_generated_tokens: int
+    num_preemptions: int
+    uptime_s: float
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_queue_len: int

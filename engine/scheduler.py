@@ -1,0 +1,141 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption."""
+import bisect
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: the runner reads token ids, positions and block tables from these."""
+    seqs: list[Sequence] = field(default_factory=list)  # single-token queries first, then longer
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each seq computes this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether seq i reaches its last token this step, and so samples the next one."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by sort_key (priority, arrival)
+        self.running: list[Sequence] = []  # sorted likewise; the last is the first to preempt
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self._schedule_waiting(out, budget)
+        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] != 1)
+        out.seqs = [out.seqs[i] for i in order]
+        out.num_new_tokens = [out.num_new_tokens[i] for i in order]
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # the newest (lowest priority) running sequence
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append(seq, seq.num_computed_tokens + n)
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Strict order: if the head does not fit, nothing behind it jumps the queue.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        self.add(seq)
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens (one per sampling seq, in order),
+        finish sequences that stop. Returns the sequences that got a token."""
+        updated, j = [], 0
+        for i, seq in enumerate(out.seqs):
+            samples = out.samples(i)
+            seq.num_computed_tokens += out.num_new_tokens[i]
+            if not samples:
+                continue
+            seq.token_ids.append(sampled[j])
+            j += 1
+            updated.append(seq)
+            reason = check_stop(seq, self.max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+        return updated
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+
+def check_stop(seq: Sequence, max_model_len: int) -> FinishReason | None:
+    """Token-level stops plus stop strings (through the sequence's detokenizer)."""
+    params, token = seq.params, seq.token_ids[-1]
+    if seq.detokenizer is not None:
+        seq.detokenizer.add(token)
+    if seq.num_generated_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return FinishReason.EOS
+        if token in params.stop_token_ids:
+            return FinishReason.STOP_TOKEN
+        if seq.detokenizer is not None and seq.detokenizer.find_stop(params.stop):
+            return FinishReason.STOP_STRING
+    if seq.num_generated_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None

@@ -1,0 +1,79 @@
+"""A request's state as it moves through the engine."""
+import itertools
+from enum import Enum
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again; its KV was freed and will be recomputed
+    FINISHED = "finished"
+
+
+class FinishReason(Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    ABORT = "abort"
+    ERROR = "error"
+
+    @property
+    def public(self) -> str:
+        """The vLLM/OpenAI-style reason: stop, length, abort or error."""
+        if self in (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING):
+            return "stop"
+        return self.value
+
+
+_arrival = itertools.count()
+
+
+class Sequence:
+    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, prompt: str | None = None, priority: int = 0,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        self.req_id = req_id
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)  # prompt, then generated
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # resolved: never None
+        self.priority = priority
+        self.eos_token_ids = eos_token_ids
+        self.arrival = next(_arrival)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache
+        self.block_table: list[int] = []  # logical block i -> physical block number
+        self.logprobs: list = []
+        self.detokenizer = None  # set by the engine
+        self.generator = None  # torch.Generator when params.seed is set
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: lower priority value first, then arrival (FIFO)."""
+        return (self.priority, self.arrival)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
