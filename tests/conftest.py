@@ -1,0 +1,36 @@
+import os
+
+# Triton reads this when its kernels are defined; set before anything imports them, so the
+# Triton attention backend runs under the interpreter on CPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from engine.demo import build_tiny_checkpoint  # noqa: E402
+
+# Tiny checkpoints of every supported family; peaky random weights (a wide init) keep greedy
+# choices far from ties, so float32 rounding differences cannot flip them.
+FAMILIES = {
+    "llama": dict(arch="llama", initializer_range=0.3),
+    "llama3": dict(arch="llama", initializer_range=0.3, rope_theta=500000.0, max_position_embeddings=1024,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    "llama-untied": dict(arch="llama", initializer_range=0.3, tie_word_embeddings=False, attention_bias=True),
+    "mistral": dict(arch="mistral", initializer_range=0.3, sliding_window=4096),
+    "qwen2": dict(arch="qwen2", initializer_range=0.3),
+    "qwen3": dict(arch="qwen3", initializer_range=0.3, head_dim=48),
+    "gpt2": dict(arch="gpt2", initializer_range=0.3),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name) -> path of a tiny checkpoint of that family, built once per session."""
+    built = {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            path = str(tmp_path_factory.mktemp(name))
+            built[name] = build_tiny_checkpoint(path, **FAMILIES[name])
+        return built[name]
+    return get

@@ -1,0 +1,96 @@
+"""The asyncio front: streams add up to the offline result, cancel frees blocks, a failing
+step fails only its requests, a full queue is refused."""
+import asyncio
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.errors import EngineError, InvalidRequestError, QueueFullError
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    eng = AsyncEngine(EngineConfig(model=checkpoint("llama"), num_kv_blocks=64, max_queue_len=8))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(eng, prompt, params, **kw):
+    outs = [o async for o in eng.generate(prompt, params, **kw)]
+    return outs
+
+
+def test_stream_equals_offline(engine, checkpoint):
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True, logprobs=True)
+    outs = asyncio.run(_collect(engine, "héllo wörld", params))
+    offline = LLM(checkpoint("llama"), num_kv_blocks=64).generate(["héllo wörld"], params)[0]
+    assert sum((o.token_ids for o in outs), []) == offline.token_ids
+    assert "".join(o.text for o in outs) == offline.text
+    assert sum(len(o.logprobs) for o in outs) == 20
+    assert outs[-1].finished and outs[-1].finish_reason == "length" and not any(o.finished for o in outs[:-1])
+    assert outs[-1].num_generated_tokens == 20
+
+
+def test_concurrent_streams_get_their_own_tokens(engine):
+    async def main():
+        ps = [SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True) for i in range(8)]
+        together = await asyncio.gather(*[_collect(engine, [i + 1, 2, 3], p) for i, p in enumerate(ps)])
+        alone = [await _collect(engine, [i + 1, 2, 3], p) for i, p in enumerate(ps)]
+        return together, alone
+    together, alone = asyncio.run(main())
+    for a, b in zip(together, alone):
+        assert sum((o.token_ids for o in a), []) == sum((o.token_ids for o in b), [])
+
+
+def test_cancel_frees_blocks(engine):
+    async def main():
+        gen = engine.generate([1, 2, 3] * 10, SamplingParams(max_tokens=400, ignore_eos=True))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            s = engine.stats()
+            if s.num_free_blocks == s.num_total_blocks and s.num_running == 0:
+                return s
+        return engine.stats()
+    s = asyncio.run(main())
+    assert s.num_free_blocks == s.num_total_blocks and s.num_running == 0
+
+
+def test_invalid_request_and_queue_full(engine):
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        asyncio.run(_collect(engine, "", SamplingParams()))
+
+    async def flood():
+        gens = [engine.generate([1, 2], SamplingParams(max_tokens=200, ignore_eos=True)) for _ in range(30)]
+        tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+        return results
+    results = asyncio.run(flood())
+    assert any(isinstance(r, QueueFullError) for r in results)
+
+
+def test_failing_step_fails_only_its_requests(engine):
+    runner = engine.engine.runner
+    original = runner.run
+    calls = {"n": 0}
+
+    def broken(sched):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return original(sched)
+    runner.run = broken
+    try:
+        with pytest.raises(EngineError, match="injected fault"):
+            asyncio.run(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=4)))
+    finally:
+        runner.run = original
+    outs = asyncio.run(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert outs[-1].num_generated_tokens == 4
+    s = engine.stats()
+    assert s.num_free_blocks == s.num_total_blocks

@@ -1,0 +1,154 @@
+"""BlockManager and Scheduler over integers: exact block ids, ref counts, preemption order."""
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+def seq(name, n_prompt, max_tokens=8, priority=0):
+    return Sequence(name, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), max_tokens,
+                    priority=priority)
+
+
+def test_allocate_append_free_exact_ids():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = seq("a", 5), seq("b", 4)
+    assert bm.can_allocate(a, 5)
+    bm.allocate(a, 5)
+    assert a.block_table == [0, 1]
+    bm.allocate(b, 4)
+    assert b.block_table == [2]
+    assert [bm.blocks[i].ref_count for i in range(6)] == [1, 1, 1, 0, 0, 0]
+    bm.append(a, 8)  # still fits in block 1
+    assert a.block_table == [0, 1]
+    bm.append(a, 9)
+    assert a.block_table == [0, 1, 3]
+    s = bm.stats()
+    assert (s.num_total_blocks, s.num_free_blocks, s.num_used_blocks) == (6, 2, 4)
+    assert s.num_wasted_slots == 4 * 4 - (9 + 4)
+    assert not bm.can_append(b, 4 + 3 * 4)  # needs 3 more, 2 free
+    bm.free(a)
+    assert a.block_table == [] and bm.blocks[0].is_free
+    # freed tail first: the free list is now 4, 5, 3, 1, 0
+    assert list(bm.free_block_ids) == [4, 5, 3, 1, 0]
+    bm.append(b, 12)
+    assert b.block_table == [2, 4, 5]
+    bm.free(b)
+    assert bm.num_free_blocks == 6 and all(blk.ref_count == 0 for blk in bm.blocks)
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(2, 4)
+    a = seq("a", 3)
+    bm.allocate(a, 3)
+    table = list(a.block_table)
+    bm.free(a)
+    a.block_table = table
+    with pytest.raises(AssertionError):
+        bm.free(a)
+
+
+def _run_to_completion(sched: Scheduler, token=7, max_steps=500):
+    """Drive the scheduler as the engine would, sampling a fixed token; returns per-step outputs."""
+    steps = []
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return steps
+        out = sched.schedule()
+        assert out.seqs, "no progress: deadlock"
+        assert out.num_tokens <= sched.max_num_batched_tokens
+        steps.append(out)
+        sched.postprocess(out, [token] * sum(out.samples(i) for i in range(len(out.seqs))))
+    raise AssertionError("did not finish")
+
+
+def test_decodes_first_then_waiting_under_token_budget():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64)
+    a, b = seq("a", 6), seq("b", 6)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    # a takes 6, b gets the remaining 4 as a first chunk (chunked prefill)
+    assert [s.req_id for s in out.seqs] == ["a", "b"] and out.num_new_tokens == [6, 4]
+    assert a.block_table == [0, 1] and b.block_table == [2]
+    assert out.samples(0) and not out.samples(1)
+    sched.postprocess(out, [9])
+    out = sched.schedule()
+    # a decodes (1 token, listed first); b finishes its prompt (2 tokens)
+    assert [s.req_id for s in out.seqs] == ["a", "b"] and out.num_new_tokens == [1, 2]
+    assert b.block_table == [2, 3]
+
+
+def test_preempts_newest_and_recomputes_without_deadlock():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=16)
+    a, b = seq("a", 4, max_tokens=8), seq("b", 4, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert a.block_table == [0] and b.block_table == [1]
+    sched.postprocess(out, [5, 5])
+    # each now needs a second block: 2 free, fine
+    out = sched.schedule()
+    assert a.block_table == [0, 2] and b.block_table == [1, 3]
+    sched.postprocess(out, [5, 5])
+    for _ in range(3):
+        sched.postprocess(sched.schedule(), [5, 5])
+    # both hold 9 tokens' worth next step: a needs a third block, none free -> b (newest) preempted
+    out = sched.schedule()
+    assert out.preempted == [b] and b.status is SequenceStatus.PREEMPTED
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert a.block_table == [0, 2, 3]
+    assert sched.num_preemptions == 1 and sched.waiting == [b]
+    sched.postprocess(out, [5])
+    steps = _run_to_completion(sched)
+    assert a.finish_reason is FinishReason.LENGTH and b.finish_reason is FinishReason.LENGTH
+    assert a.num_generated_tokens == 8 and b.num_generated_tokens == 8
+    # b came back with a full recompute of prompt + generated tokens
+    assert any(s.seqs == [b] and s.num_new_tokens[0] > 1 for s in steps)
+    assert bm.num_free_blocks == 4 and all(blk.ref_count == 0 for blk in bm.blocks)
+
+
+def test_fifo_no_starvation_and_max_num_seqs():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64)
+    seqs = [seq(f"s{i}", 3, max_tokens=2) for i in range(5)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.req_id for s in out.seqs] == ["s0", "s1"]
+    finish_order = []
+    sched.postprocess(out, [1, 1])
+    while sched.has_work():
+        out = sched.schedule()
+        assert len(sched.running) <= 2
+        sched.postprocess(out, [1] * sum(out.samples(i) for i in range(len(out.seqs))))
+        finish_order += [s.req_id for s in out.seqs if s.is_finished]
+    assert finish_order == ["s0", "s1", "s2", "s3", "s4"]
+    assert bm.num_free_blocks == 64
+
+
+def test_priority_orders_waiting_and_victims():
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=100, max_model_len=64)
+    low, high = seq("low", 3, priority=5), seq("high", 3, priority=0)
+    sched.add(low)
+    sched.add(high)
+    assert [s.req_id for s in sched.schedule().seqs] == ["high"]
+
+
+def test_abort_frees_blocks():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
+    a, b = seq("a", 9), seq("b", 3)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    assert bm.num_free_blocks == 4
+    sched.finish(a, FinishReason.ABORT)
+    assert bm.num_free_blocks == 7 and a.is_finished and sched.running == [b]
+    sched.finish(a, FinishReason.ABORT)  # idempotent
+    assert bm.num_free_blocks == 7

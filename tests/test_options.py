@@ -1,0 +1,79 @@
+"""Bad options raise errors that name the option."""
+import json
+import os
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("option,value", [("block_size", 0), ("block_size", 12), ("max_num_seqs", 0),
+                                          ("max_num_batched_tokens", -1), ("num_kv_blocks", 0),
+                                          ("dtype", "float64"), ("attention_backend", "cuda"),
+                                          ("gpu_memory_utilization", 1.5), ("max_model_len", 0)])
+def test_bad_engine_option_names_it(option, value):
+    with pytest.raises(ValueError, match=option):
+        EngineConfig(**{option: value})
+
+
+def test_unknown_llm_option():
+    with pytest.raises(TypeError, match="block_sise"):
+        LLM(None, block_sise=16)
+
+
+def test_unknown_architecture(tmp_path, checkpoint):
+    src = checkpoint("llama")
+    for name in os.listdir(src):
+        (tmp_path / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="architecture"):
+        LLM(str(tmp_path), num_kv_blocks=8)
+
+
+def test_pickle_only_checkpoint_refused(tmp_path, checkpoint):
+    src = checkpoint("llama")
+    for name in os.listdir(src):
+        if not name.endswith(".safetensors"):
+            (tmp_path / name).write_bytes(open(os.path.join(src, name), "rb").read())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(tmp_path), num_kv_blocks=8)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    return LLM(checkpoint("llama"), num_kv_blocks=16, max_model_len=64)
+
+
+def test_request_errors_name_the_field(llm):
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        llm.generate([""], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        llm.generate([[1, 10**6]], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        llm.generate([[1] * 60], SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        llm.generate([[1] * 64], SamplingParams(max_tokens=None))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.generate([[1]], SamplingParams(stop_token_ids=[10**6]))
+    # nothing leaked, and the engine still works
+    assert llm.engine.stats().num_free_blocks == 16
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].num_generated_tokens == 3
+
+
+def test_max_model_len_beyond_cache_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(checkpoint("llama"), num_kv_blocks=2, block_size=16, max_model_len=100)
+
+
+def test_default_max_tokens_fills_context_and_stop_strings(llm):
+    out = llm.generate([[1] * 60], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert out.num_generated_tokens == 4 and out.finish_reason == "length"
+    text = llm.generate(["ab"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].text
+    stop = text[3:5]
+    if stop and "\ufffd" not in stop:
+        cut = llm.generate(["ab"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+        assert cut.stop_reason == "stop_string" and cut.text == text[:text.index(stop)]
