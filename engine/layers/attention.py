@@ -45,12 +45,11 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     num_kv_heads = k_cache.shape[2]
     k = _gather(k_cache, block_tables).transpose(1, 2)  # [S, kvh, L, D]
     v = _gather(v_cache, block_tables).transpose(1, 2)
-    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [S, kvh, group, D]
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [S, kvh, group, L]
-    pos = torch.arange(k.shape[2], device=q.device)
-    scores.masked_fill_((pos[None, :] >= context_lens[:, None]).view(num_seqs, 1, 1, -1), float("-inf"))
-    out = torch.matmul(scores.softmax(-1), v.float())
-    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]  # [S, L]
+    # A GQA group's query heads become that KV head's query rows: no K/V repeat needed.
+    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len):
