@@ -1,6 +1,6 @@
 """The asyncio front: the engine loop runs in its own thread; each request gets an asyncio
 queue of deltas. add/abort cross into the loop through an inbox; outputs cross back with
-one call_soon_threadsafe per step."""
+one call_soon_threadsafe per event loop per step."""
 import asyncio
 import dataclasses
 import itertools
@@ -29,8 +29,8 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._num_pending = 0  # added but not yet seen by the loop
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
+        self._num_pending = 0  # added but not yet seen by the loop
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
         self._stats = self.engine.stats()
@@ -43,7 +43,7 @@ class AsyncEngine:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def stats(self):
         """The snapshot taken after the latest step (uptime read now)."""
@@ -53,10 +53,12 @@ class AsyncEngine:
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields deltas; with n > 1 each carries the index of its completion, and the stream
+        ends when all n have finished."""
         if self._closed:
             raise EngineClosedError("the engine is shut down")
         request_id = request_id or f"req-{next(_ids)}"
-        seq = self.engine.make_sequence(prompt, params, request_id, priority)  # raises InvalidRequestError
+        seqs = self.engine.make_sequences(prompt, params, request_id, priority)  # raises InvalidRequestError
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
             if self._stats.num_waiting + self._num_pending >= self.config.max_queue_len:
@@ -65,19 +67,19 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
-            self._num_pending += 1
-            self._inbox.append(("add", seq))
+            self._num_pending += len(seqs)
+            self._inbox.append(("add", seqs))
             self._cv.notify()
-        finished = False
+        unfinished = len(seqs)
         try:
-            while not finished:
+            while unfinished:
                 out = await queue.get()
                 if isinstance(out, BaseException):
                     raise out
-                finished = out.finished
+                unfinished -= out.finished
                 yield out
         finally:
-            if not finished:
+            if unfinished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -109,7 +111,6 @@ class AsyncEngine:
                 self._num_pending = 0
             for kind, item in inbox:
                 self._apply(kind, item)
-            self._flush()
             try:
                 updated = self.engine.step()
             except Exception:  # a bug outside the model run; never let the loop die
@@ -122,37 +123,37 @@ class AsyncEngine:
 
     def _apply(self, kind: str, item) -> None:
         if kind == "add":
-            item.num_text_sent = item.num_tokens_sent = 0
+            for seq in item:
+                seq.num_text_sent = seq.num_tokens_sent = 0
             try:
-                self.engine.add_sequence(item)
+                self.engine.add_sequences(item)
             except Exception as e:
-                entry = self._queues.pop(item.req_id, None)
+                entry = self._queues.pop(item[0].request_id, None)
                 if entry is not None:
                     self._outbox.append((*entry, e))
             return
-        seq = self.engine.abort(item)
-        if seq is not None:
+        for seq in self.engine.abort(item):
             self._deliver(seq)
 
     def _fail_all(self) -> list[Sequence]:
-        seqs = list(self.engine.seqs.values())
+        seqs = [s for group in self.engine.requests.values() for s in group if not s.is_finished]
         for seq in seqs:
             self.engine.scheduler.finish(seq, FinishReason.ERROR)
             seq.error = "internal engine error"
-        self.engine.seqs.clear()
+        self.engine.requests.clear()
         return seqs
 
     def _deliver(self, seq: Sequence) -> None:
-        entry = self._queues.get(seq.req_id)
+        entry = self._queues.get(seq.request_id)
         if entry is None:
             return
-        if seq.is_finished:
-            del self._queues[seq.req_id]
         if seq.finish_reason is FinishReason.ERROR:
-            item = EngineError(f"request {seq.req_id} failed: {getattr(seq, 'error', 'engine error')}")
-        else:
-            item = _delta(seq)
-        self._outbox.append((*entry, item))
+            del self._queues[seq.request_id]
+            self._outbox.append((*entry, EngineError(f"request {seq.request_id} failed: {seq.error}")))
+            return
+        if seq.request_id not in self.engine.requests:  # the whole request is done
+            del self._queues[seq.request_id]
+        self._outbox.append((*entry, _delta(seq)))
 
     def _flush(self) -> None:
         """Hand this step's outputs to their event loops: one wake-up per loop, not per request."""
@@ -173,13 +174,13 @@ def _delta(seq: Sequence) -> RequestOutput:
     end = len(text)
     if not seq.is_finished and seq.params.stop:
         end = max(seq.num_text_sent, end - max(len(s) for s in seq.params.stop) + 1)
-    new_ids = seq.generated_token_ids[seq.num_tokens_sent:]
     reason = seq.finish_reason
     out = RequestOutput(
-        request_id=seq.req_id, token_ids=new_ids, text=text[seq.num_text_sent:end],
-        finished=seq.is_finished, finish_reason=reason.public if reason else None,
-        stop_reason=reason.value if reason else None, num_prompt_tokens=seq.num_prompt_tokens,
-        num_generated_tokens=seq.num_generated_tokens, num_cached_tokens=seq.num_cached_tokens,
+        request_id=seq.request_id, index=seq.index, token_ids=seq.generated_token_ids[seq.num_tokens_sent:],
+        text=text[seq.num_text_sent:end], finished=seq.is_finished,
+        finish_reason=reason.public if reason else None, stop_reason=reason.value if reason else None,
+        num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=seq.num_generated_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
         logprobs=seq.logprobs[seq.num_tokens_sent:seq.num_generated_tokens] if seq.params.logprobs else None)
     seq.num_text_sent, seq.num_tokens_sent = end, seq.num_generated_tokens
     return out

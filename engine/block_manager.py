@@ -1,4 +1,5 @@
-"""Paged KV-cache bookkeeping: which physical blocks each sequence holds.
+"""Paged KV-cache bookkeeping: which physical blocks each sequence holds, and which full
+blocks hold a known prefix (so a later request can reuse their KV).
 
 Physical blocks are fixed-size pages of the KV cache. A sequence's block table maps its
 logical block i (tokens i*block_size .. (i+1)*block_size - 1) to a physical block number:
@@ -6,9 +7,13 @@ logical block i (tokens i*block_size .. (i+1)*block_size - 1) to a physical bloc
     logical:  [ 0 ][ 1 ][ 2 ]        token at position p -> slot
     physical: [ 7 ][ 2 ][ 9 ]        block_table[p // block_size] * block_size + p % block_size
 
+A full block is content-addressed by a hash chained over every token up to its end. When no
+sequence holds it (ref_count 0) it stays cached in the free list, which is kept in least
+recently used order, and is only overwritten when a free block is needed.
+
 Pure Python over integers: no tensors here.
 """
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -18,6 +23,8 @@ from engine.sequence import Sequence
 class PhysicalTokenBlock:
     block_number: int
     ref_count: int = 0  # sequences holding this block
+    hash: int | None = None  # set once the block is full and its KV computed
+    token_ids: tuple[int, ...] = ()  # the block's tokens, to rule out hash collisions
 
     @property
     def is_free(self) -> bool:
@@ -27,17 +34,26 @@ class PhysicalTokenBlock:
 @dataclass(frozen=True)
 class BlockStats:
     num_total_blocks: int
-    num_free_blocks: int
+    num_free_blocks: int  # not held by any sequence (cached ones included)
     num_used_blocks: int
-    num_wasted_slots: int  # empty slots inside allocated, partly filled blocks
+    num_wasted_slots: int  # empty slots inside held, partly filled blocks
+    num_cached_blocks: int  # free blocks that still hold a reusable prefix
+
+
+def chain_hash(prev: int | None, tokens) -> int:
+    return hash((prev, tuple(tokens)))
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [PhysicalTokenBlock(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))  # O(1) pop and push
+        # free blocks, least recently used first; an ordered dict gives O(1) pop, push and removal
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block number
         self._num_slots: dict[str, int] = {}  # req_id -> token slots reserved
+        self._num_cached_free = 0  # free blocks that still hold a prefix
 
     @property
     def num_free_blocks(self) -> int:
@@ -46,46 +62,96 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _num_missing(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, self.num_blocks_for(num_tokens) - len(seq.block_table))
+    # ---- prefix cache ----
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether a sequence holding no blocks can get room for its first num_tokens tokens."""
-        return self._num_missing(seq, num_tokens) <= self.num_free_blocks
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest known prefix of seq's tokens. The last token is never
+        covered: it has to be computed for its logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, h, bs = [], None, self.block_size
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            h = chain_hash(h, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            hits.append(block_id)
+        return hits
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Make seq's newly completed (computed and full) blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(prev, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.cached and block.hash is None:
+                block.hash, block.token_ids = h, tokens
+                self.cached[h] = block.block_number
+
+    # ---- allocation ----
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
+        """Whether a sequence holding no blocks can get room for its first num_tokens tokens,
+        reusing the cached blocks `hits` for its prefix."""
+        reclaimed = sum(1 for b in hits if self.blocks[b].ref_count == 0)  # leave the free list
+        return self.num_blocks_for(num_tokens) - len(hits) <= self.num_free_blocks - reclaimed
+
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
         assert not seq.block_table, f"{seq.req_id} already holds blocks"
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+                self._num_cached_free -= 1
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
         self._grow(seq, num_tokens)
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a running sequence can grow to hold num_tokens tokens in all."""
-        return self._num_missing(seq, num_tokens) <= self.num_free_blocks
+        return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_tokens: int) -> None:
         self._grow(seq, num_tokens)
 
     def free(self, seq: Sequence) -> None:
-        # Tail blocks go back first, so the most recently written ones are reused last.
+        # Tail blocks go back first, so they are evicted before the prefix blocks that lead to them.
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self.free_block_ids.append(block_id)
+                self.free_block_ids[block_id] = None
+                self._num_cached_free += block.hash is not None
         seq.block_table = []
+        seq.block_hashes = []
         self._num_slots.pop(seq.req_id, None)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        missing = self._num_missing(seq, num_tokens)
+        missing = self.num_blocks_for(num_tokens) - len(seq.block_table)
         if missing > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: {seq.req_id} needs {missing}, {self.num_free_blocks} free")
         for _ in range(missing):
-            block_id = self.free_block_ids.popleft()
-            self.blocks[block_id].ref_count = 1
+            block_id, _ = self.free_block_ids.popitem(last=False)  # least recently used
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict its cached prefix
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+                self._num_cached_free -= 1
+            block.ref_count = 1
             seq.block_table.append(block_id)
         self._num_slots[seq.req_id] = max(self._num_slots.get(seq.req_id, 0), num_tokens)
 
     def stats(self) -> BlockStats:
         used = len(self.blocks) - self.num_free_blocks
         slots = sum(self._num_slots.values())
-        return BlockStats(len(self.blocks), self.num_free_blocks, used, used * self.block_size - slots)
+        return BlockStats(len(self.blocks), self.num_free_blocks, used, max(0, used * self.block_size - slots),
+                          self._num_cached_free)

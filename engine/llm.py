@@ -4,6 +4,7 @@ from engine.errors import EngineError
 from engine.llm_engine import LLMEngine, full_output
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
 
 
 class LLM:
@@ -23,12 +24,12 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # validate all first
-        for seq in seqs:
-            self.engine.add_sequence(seq)
+        groups = [self.engine.make_sequences(p, sp) for p, sp in zip(prompts, params)]  # validate all first
+        for seqs in groups:
+            self.engine.add_sequences(seqs)
         while self.engine.has_work():
             self.engine.step()
-        failed = [s for s in seqs if s.finish_reason is not None and s.finish_reason.value == "error"]
+        failed = [s for seqs in groups for s in seqs if s.finish_reason is FinishReason.ERROR]
         if failed:
             raise EngineError(f"{len(failed)} request(s) failed: {failed[0].error}")
-        return [full_output(s) for s in seqs]
+        return [full_output(seqs) for seqs in groups]

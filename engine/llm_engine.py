@@ -41,11 +41,12 @@ class LLMEngine:
         backend = _attention_backend(self.config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.config.num_kv_blocks, self.config.block_size, self.dtype,
                                   self.device, self.config.seed, self.hf_config.vocab_size, backend)
-        self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size)
+        self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.max_model_len)
         self.eos_token_ids = _eos_ids(path, self.hf_config, self.tokenizer)
-        self.seqs: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, while in flight
         self.num_prompt_tokens_processed = 0
         self.num_generated_tokens = 0
         self.started = time.monotonic()
@@ -88,13 +89,13 @@ class LLMEngine:
     # ---- requests ----
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> Sequence:
-        seq = self.make_sequence(prompt, params, request_id, priority)
-        self.add_sequence(seq)
-        return seq
+                    request_id: str | None = None, priority: int = 0) -> list[Sequence]:
+        seqs = self.make_sequences(prompt, params, request_id, priority)
+        self.add_sequences(seqs)
+        return seqs
 
-    def make_sequence(self, prompt, params=None, request_id=None, priority=0) -> Sequence:
-        """Validate and tokenize a request; raises InvalidRequestError naming the field."""
+    def make_sequences(self, prompt, params=None, request_id=None, priority=0) -> list[Sequence]:
+        """Validate and tokenize a request into its n sequences; raises InvalidRequestError naming the field."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
@@ -111,13 +112,18 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidRequestError("stop_token_ids", f"{bad[0]} is outside the vocabulary (size {vocab})")
-        seq = Sequence(request_id, ids, params, max_tokens, prompt=text, priority=priority,
-                       eos_token_ids=self.eos_token_ids)
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.device)
-            seq.generator.manual_seed(params.seed)
-        return seq
+        seqs = []
+        for i in range(params.n):
+            req_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seq = Sequence(req_id, ids, params, max_tokens, prompt=text, priority=priority,
+                           eos_token_ids=self.eos_token_ids, request_id=request_id, index=i)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device)
+                seq.generator.manual_seed(params.seed + i)
+            seq.wait_for = seqs[0] if seqs else None
+            seqs.append(seq)
+        return seqs
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -133,17 +139,20 @@ class LLMEngine:
                 raise InvalidRequestError("prompt_token_ids", f"{t!r} is not a token id in [0, {vocab})")
         return None, ids
 
-    def add_sequence(self, seq: Sequence) -> None:
-        if seq.req_id in self.seqs:
-            raise InvalidRequestError("request_id", f"{seq.req_id!r} is already in flight")
-        self.seqs[seq.req_id] = seq
-        self.scheduler.add(seq)
+    def add_sequences(self, seqs: list[Sequence]) -> None:
+        request_id = seqs[0].request_id
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None:
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of the request; returns those that were still in flight."""
+        seqs = [s for s in self.requests.pop(request_id, []) if not s.is_finished]
+        for seq in seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
-        return seq
+        return seqs
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -179,16 +188,19 @@ class LLMEngine:
         for seq in seqs:
             if seq.finish_reason is not FinishReason.STOP_STRING:
                 seq.detokenizer.flush()  # text held back for an incomplete character
-            self.seqs.pop(seq.req_id, None)
+            group = self.requests.get(seq.request_id)
+            if group is not None and all(s.is_finished for s in group):
+                del self.requests[seq.request_id]
 
     # ---- reporting ----
 
     def stats(self) -> EngineStats:
-        b = self.block_manager.stats()
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), b.num_total_blocks,
-                           b.num_free_blocks, b.num_used_blocks, b.num_wasted_slots,
-                           self.num_prompt_tokens_processed, self.num_generated_tokens,
-                           self.scheduler.num_preemptions, time.monotonic() - self.started)
+        b, s = self.block_manager.stats(), self.scheduler
+        return EngineStats(len(s.running), len(s.waiting), b.num_total_blocks, b.num_free_blocks,
+                           b.num_used_blocks, b.num_wasted_slots, self.num_prompt_tokens_processed,
+                           self.num_generated_tokens, s.num_preemptions, time.monotonic() - self.started,
+                           b.num_cached_blocks, s.num_prompt_tokens_cached,
+                           s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0)
 
     def model_info(self) -> ModelInfo:
         c = self.config
@@ -197,14 +209,20 @@ class LLMEngine:
                          c.max_num_batched_tokens, c.max_queue_len)
 
 
-def full_output(seq: Sequence) -> RequestOutput:
+def full_output(seqs: list[Sequence]) -> RequestOutput:
+    """A finished request: choice 0's fields at the top, every choice in .choices."""
+    choices = [_choice_output(s) for s in seqs]
+    return dataclasses.replace(choices[0], choices=choices)
+
+
+def _choice_output(seq: Sequence) -> RequestOutput:
     reason = seq.finish_reason
     return RequestOutput(
-        request_id=seq.req_id, token_ids=seq.generated_token_ids, text=seq.detokenizer.text,
+        request_id=seq.request_id, index=seq.index, token_ids=seq.generated_token_ids, text=seq.detokenizer.text,
         finished=seq.is_finished, finish_reason=reason.public if reason else None,
         stop_reason=reason.value if reason else None, num_prompt_tokens=seq.num_prompt_tokens,
         num_generated_tokens=seq.num_generated_tokens, num_cached_tokens=seq.num_cached_tokens,
-        logprobs=list(seq.logprobs) if seq.params.logprobs else None, error=getattr(seq, "error", None))
+        logprobs=list(seq.logprobs) if seq.params.logprobs else None, error=seq.error)
 
 
 def _device(name: str) -> torch.device:

@@ -24,6 +24,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None  # the message when finish_reason is "error"
+    index: int = 0  # which of the request's n completions this is
+    choices: list["RequestOutput"] = field(default_factory=list)  # LLM.generate: all n completions
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class EngineStats:
     num_generated_tokens: int
     num_preemptions: int
     uptime_s: float
+    num_cached_blocks: int = 0  # free blocks still holding a reusable prefix
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefix_cache_hit_rate: float = 0.0  # of all prompt tokens admitted
 
 
 @dataclass(frozen=True)

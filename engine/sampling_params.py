@@ -3,10 +3,12 @@ import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 64
 
 
 @dataclass
 class SamplingParams:
+    n: int = 1  # completions per prompt; they share the prompt's KV blocks
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -28,6 +30,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        _int("n", self.n, lo=1, hi=MAX_N)
         _finite("temperature", self.temperature, lo=0.0)
         _finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:

@@ -37,6 +37,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by sort_key (priority, arrival)
         self.running: list[Sequence] = []  # sorted likewise; the last is the first to preempt
         self.num_preemptions = 0
+        self.num_prompt_tokens_seen = 0  # prompt tokens admitted, for the prefix-cache hit rate
+        self.num_prompt_tokens_cached = 0  # of those, found in the prefix cache
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
@@ -75,10 +77,19 @@ class Scheduler:
         # Strict order: if the head does not fit, nothing behind it jumps the queue.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            if _prompt_pending(seq.wait_for):  # its sibling's prompt blocks will soon be cached
                 break
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            hits = self.block_manager.match_prefix(seq)
+            cached = len(hits) * self.block_manager.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if not self.block_manager.can_allocate(seq, cached + n, hits):
+                break
+            self.block_manager.allocate(seq, cached + n, hits)
+            seq.num_computed_tokens = cached
+            if seq.status is SequenceStatus.WAITING:  # first admission, not a recompute
+                seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
+                self.num_prompt_tokens_seen += seq.num_prompt_tokens
+                self.num_prompt_tokens_cached += seq.num_cached_tokens
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
@@ -102,6 +113,7 @@ class Scheduler:
         for i, seq in enumerate(out.seqs):
             samples = out.samples(i)
             seq.num_computed_tokens += out.num_new_tokens[i]
+            self.block_manager.register_full_blocks(seq)
             if not samples:
                 continue
             seq.token_ids.append(sampled[j])
@@ -122,6 +134,10 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _prompt_pending(seq: Sequence | None) -> bool:
+    return seq is not None and not seq.is_finished and seq.num_computed_tokens < seq.num_prompt_tokens
 
 
 def check_stop(seq: Sequence, max_model_len: int) -> FinishReason | None:

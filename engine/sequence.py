@@ -34,8 +34,11 @@ _arrival = itertools.count()
 class Sequence:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, prompt: str | None = None, priority: int = 0,
-                 eos_token_ids: frozenset[int] = frozenset()):
-        self.req_id = req_id
+                 eos_token_ids: frozenset[int] = frozenset(), request_id: str | None = None, index: int = 0):
+        self.req_id = req_id  # unique per sequence
+        self.request_id = request_id or req_id  # the request it answers (n > 1: several sequences)
+        self.index = index  # which of the request's n completions
+        self.wait_for: "Sequence | None" = None  # admit only once this one's prompt is computed
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)  # prompt, then generated
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -46,9 +49,11 @@ class Sequence:
         self.arrival = next(_arrival)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.error: str | None = None  # why, when finish_reason is ERROR
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.block_table: list[int] = []  # logical block i -> physical block number
+        self.block_hashes: list[int] = []  # chained content hashes of the full, computed blocks
         self.logprobs: list = []
         self.detokenizer = None  # set by the engine
         self.generator = None  # torch.Generator when params.seed is set

@@ -13,7 +13,7 @@ def seq(name, n_prompt, max_tokens=8, priority=0):
 
 
 def test_allocate_append_free_exact_ids():
-    bm = BlockManager(num_blocks=6, block_size=4)
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
     a, b = seq("a", 5), seq("b", 4)
     assert bm.can_allocate(a, 5)
     bm.allocate(a, 5)
@@ -31,7 +31,7 @@ def test_allocate_append_free_exact_ids():
     assert not bm.can_append(b, 4 + 3 * 4)  # needs 3 more, 2 free
     bm.free(a)
     assert a.block_table == [] and bm.blocks[0].is_free
-    # freed tail first: the free list is now 4, 5, 3, 1, 0
+    # freed tail first: the free list (least recently used first) is now 4, 5, 3, 1, 0
     assert list(bm.free_block_ids) == [4, 5, 3, 1, 0]
     bm.append(b, 12)
     assert b.block_table == [2, 4, 5]
@@ -83,7 +83,7 @@ def test_decodes_first_then_waiting_under_token_budget():
 
 
 def test_preempts_newest_and_recomputes_without_deadlock():
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=16)
     a, b = seq("a", 4, max_tokens=8), seq("b", 4, max_tokens=8)
     sched.add(a)
@@ -152,3 +152,85 @@ def test_abort_frees_blocks():
     assert bm.num_free_blocks == 7 and a.is_finished and sched.running == [b]
     sched.finish(a, FinishReason.ABORT)  # idempotent
     assert bm.num_free_blocks == 7
+
+
+# ---- prefix caching ----
+
+def toks(name, ids, max_tokens=4):
+    return Sequence(name, list(ids), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def _prefill(bm, s):
+    """Admit and fully compute a prompt, as the scheduler and runner would."""
+    hits = bm.match_prefix(s)
+    bm.allocate(s, s.num_tokens, hits)
+    s.num_computed_tokens = s.num_tokens
+    bm.register_full_blocks(s)
+    return hits
+
+
+def test_prefix_hits_share_blocks_with_ref_counts():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = toks("a", range(10))  # blocks: [0..3] [4..7] [8, 9]
+    assert _prefill(bm, a) == [] and a.block_table == [0, 1, 2]
+    b = toks("b", list(range(8)) + [50, 51, 52])  # shares two full blocks
+    assert bm.match_prefix(b) == [0, 1]
+    assert bm.can_allocate(b, 11, [0, 1])
+    bm.allocate(b, 11, [0, 1])
+    assert b.block_table == [0, 1, 3]
+    assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
+    c = toks("c", list(range(4)) + [99] * 5)  # shares the first block only
+    assert bm.match_prefix(c) == [0]
+    # an 8-token prompt equal to a's first 8: only block 0 is reused, its last token is recomputed
+    d = toks("d", range(8))
+    assert bm.match_prefix(d) == [0]
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 8 and all(blk.ref_count == 0 for blk in bm.blocks)
+    assert bm.stats().num_cached_blocks == 2  # blocks 0 and 1 hold the prefix still
+
+
+def test_cached_blocks_evicted_lru_only_when_needed():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = toks("a", [1, 2, 3, 4, 5])  # full blocks 0 [1,2], 1 [3,4]; partial block 2
+    _prefill(bm, a)
+    bm.free(a)  # free list: 3, then a's tail first: 2, 1, 0
+    assert list(bm.free_block_ids) == [3, 2, 1, 0]
+    b = toks("b", [7, 8, 9])  # needs 2 new blocks: takes 3 and 2 (never cached), no eviction
+    _prefill(bm, b)
+    assert b.block_table == [3, 2]
+    assert bm.match_prefix(toks("x", [1, 2, 3, 4, 5])) == [0, 1]
+    c = toks("c", [20, 21, 22])  # needs 2 blocks; only cached ones left: evicts 1 (LRU), then 0
+    _prefill(bm, c)
+    assert c.block_table == [1, 0]
+    assert bm.match_prefix(toks("x", [1, 2, 3, 4, 5])) == []
+
+
+def test_reusing_a_cached_free_block_takes_it_off_the_free_list():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    a = toks("a", [1, 2, 3])
+    _prefill(bm, a)
+    bm.free(a)
+    b = toks("b", [1, 2, 9, 9, 9])  # reuses block 0, needs 2 more: exactly the 2 others
+    hits = bm.match_prefix(b)
+    assert hits == [0] and bm.can_allocate(b, 5, hits)
+    assert not bm.can_allocate(toks("c", [5] * 7), 7)
+    bm.allocate(b, 5, hits)
+    assert sorted(b.block_table) == [0, 1, 2] and bm.num_free_blocks == 0
+
+
+def test_scheduler_reports_cached_prompt_tokens():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    a = toks("a", range(10), max_tokens=2)
+    sched.add(a)
+    _run_to_completion(sched)
+    b = toks("b", list(range(9)) + [77], max_tokens=2)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs == [b] and out.num_new_tokens == [2]  # 8 cached, 2 computed
+    assert b.num_cached_tokens == 8 and b.num_computed_tokens == 8
+    assert sched.num_prompt_tokens_cached == 8 and sched.num_prompt_tokens_seen == 20
+    sched.postprocess(out, [3])
+    _run_to_completion(sched)
+    assert bm.num_free_blocks == 16

@@ -18,14 +18,14 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _reference(path: str, prompts: list[list[int]]) -> list[list[int]]:
+def _reference(path: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_NEW, pad_token_id=0)
+                                 max_new_tokens=max_new, pad_token_id=0)
             outs.append(out[0, len(p):].tolist())
     return outs
 

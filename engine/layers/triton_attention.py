@@ -33,12 +33,13 @@ except ImportError as e:  # e.g. macOS: keep is_available() usable
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
 
-# Launch configuration. Chosen for Hopper-class GPUs without measurement yet (see notes/kernels.md).
-_DECODE_WARPS, _DECODE_STAGES = 4, 2
-_PREFILL_BLOCK_M, _PREFILL_WARPS, _PREFILL_STAGES = 64, 4, 2
+# Launch configuration: picked for Hopper without a GPU at hand, so untuned (notes/kernels.md);
+# benchmarks/kernels.py --sweep overrides these to try others. tile_n: KV tokens per loop step.
+DECODE_CONFIG = dict(tile_n=64, num_warps=4, num_stages=2)
+PREFILL_CONFIG = dict(block_m=64, tile_n=64, num_warps=4, num_stages=2)
 _MIN_PARTITION = 256  # decode: fewest tokens worth giving a split of its own
 _MAX_SPLITS = 64
-_PROGRAMS_PER_SM = 4  # decode: split until about this many programs per SM are in flight
+_PROGRAMS_PER_SM = 8  # decode: split until about this many programs per SM (several waves: small tail)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,8 +322,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
 
 
-def _tile_n(head_dim: int) -> int:
-    return 64 if head_dim <= 128 else 32
+def _tile_n(tile_n: int, head_dim: int, dtype: torch.dtype) -> int:
+    # smaller [tile_n, head_dim] K/V tiles for wide heads: no register spills (checked for sm_90)
+    if head_dim > 128:
+        return tile_n // (4 if dtype == torch.float32 else 2)
+    return tile_n
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,14 +440,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_out = part_lse = out  # unused
     block_d = _next_pow2(head_dim)
+    cfg = DECODE_CONFIG
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * _LOG2E, partition, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, _next_pow2(group)) if use_dot else 1, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, TILE_N=_tile_n(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        TILE_N=_tile_n(cfg["tile_n"], head_dim, q.dtype),
         SPLIT=split, USE_DOT=use_dot, **_dot_args(q.dtype),
-        num_warps=_DECODE_WARPS, num_stages=_DECODE_STAGES,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -479,15 +485,20 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if num_seqs == 0 or q.shape[0] == 0 or max_query_len <= 0:
         return out
 
-    block_q = _PREFILL_BLOCK_M // group
+    cfg = PREFILL_CONFIG
+    # fp32 dots run on CUDA cores (no TF32), which need far more registers per row
+    block_m = cfg["block_m"] // 4 if q.dtype == torch.float32 else cfg["block_m"]
+    _check(block_m >= group, f"prefill block_m {block_m} must be >= the GQA group {group}")
+    block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=_PREFILL_BLOCK_M, NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size, TILE_N=_tile_n(head_dim),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size,
+        TILE_N=_tile_n(cfg["tile_n"], head_dim, q.dtype),
         **_dot_args(q.dtype),
-        num_warps=_PREFILL_WARPS, num_stages=_PREFILL_STAGES,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
