@@ -52,6 +52,7 @@ class BlockManager:
         # free blocks, least recently used first; an ordered dict gives O(1) pop, push and removal
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block number
+        self.in_flight: dict[int, Sequence] = {}  # block hash -> the sequence computing that block now
         self._num_slots: dict[str, int] = {}  # req_id -> token slots reserved
         self._num_cached_free = 0  # free blocks that still hold a prefix
 
@@ -64,35 +65,50 @@ class BlockManager:
 
     # ---- prefix cache ----
 
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Chained hashes of seq's first num_blocks full blocks (memoised: tokens never change)."""
+        hs, bs = seq.block_hashes, self.block_size
+        while len(hs) < num_blocks:
+            i = len(hs)
+            hs.append(chain_hash(hs[-1] if hs else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        return hs
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest known prefix of seq's tokens. The last token is never
         covered: it has to be computed for its logits."""
         if not self.enable_prefix_caching:
             return []
-        hits, h, bs = [], None, self.block_size
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            h = chain_hash(h, tokens)
+        n, bs, hits = (seq.num_tokens - 1) // self.block_size, self.block_size, []
+        for i, h in enumerate(self._hashes(seq, n)[:n]):
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
+
+    def prefix_in_flight(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether the block after seq's cached prefix is being computed right now by another
+        sequence: then waiting a step lets seq reuse it instead of computing it again."""
+        n = (seq.num_tokens - 1) // self.block_size
+        if not self.enable_prefix_caching or len(hits) >= n:
+            return False
+        owner = self.in_flight.get(self._hashes(seq, n)[len(hits)])
+        return owner is not None and owner is not seq
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Make seq's newly completed (computed and full) blocks findable by later requests."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
-            prev = seq.block_hashes[-1] if seq.block_hashes else None
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(prev, tokens)
-            seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
+        n = seq.num_computed_tokens // self.block_size
+        hashes = self._hashes(seq, n)
+        for i in range(seq.num_registered_blocks, n):
+            h, block = hashes[i], self.blocks[seq.block_table[i]]
+            if self.in_flight.get(h) is seq:
+                del self.in_flight[h]
             if h not in self.cached and block.hash is None:
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids = h, tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
                 self.cached[h] = block.block_number
+        seq.num_registered_blocks = max(seq.num_registered_blocks, n)
 
     # ---- allocation ----
 
@@ -111,7 +127,10 @@ class BlockManager:
                 self._num_cached_free -= 1
             block.ref_count += 1
             seq.block_table.append(block_id)
-            seq.block_hashes.append(block.hash)
+        seq.num_registered_blocks = len(hits)
+        if self.enable_prefix_caching:
+            for h in self._hashes(seq, seq.num_tokens // self.block_size)[len(hits):]:
+                self.in_flight.setdefault(h, seq)
         self._grow(seq, num_tokens)
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
@@ -130,8 +149,11 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
                 self._num_cached_free += block.hash is not None
+        for h in seq.block_hashes[seq.num_registered_blocks:]:
+            if self.in_flight.get(h) is seq:
+                del self.in_flight[h]
         seq.block_table = []
-        seq.block_hashes = []
+        seq.num_registered_blocks = 0
         self._num_slots.pop(seq.req_id, None)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:

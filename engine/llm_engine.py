@@ -121,7 +121,6 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(params.seed + i)
-            seq.wait_for = seqs[0] if seqs else None
             seqs.append(seq)
         return seqs
 

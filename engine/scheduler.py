@@ -77,9 +77,9 @@ class Scheduler:
         # Strict order: if the head does not fit, nothing behind it jumps the queue.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if _prompt_pending(seq.wait_for):  # its sibling's prompt blocks will soon be cached
-                break
             hits = self.block_manager.match_prefix(seq)
+            if self.block_manager.prefix_in_flight(seq, hits):
+                break  # its prefix is being computed: next step it is a cache hit
             cached = len(hits) * self.block_manager.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.block_manager.can_allocate(seq, cached + n, hits):
@@ -134,10 +134,6 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-
-
-def _prompt_pending(seq: Sequence | None) -> bool:
-    return seq is not None and not seq.is_finished and seq.num_computed_tokens < seq.num_prompt_tokens
 
 
 def check_stop(seq: Sequence, max_model_len: int) -> FinishReason | None:

@@ -38,7 +38,6 @@ class Sequence:
         self.req_id = req_id  # unique per sequence
         self.request_id = request_id or req_id  # the request it answers (n > 1: several sequences)
         self.index = index  # which of the request's n completions
-        self.wait_for: "Sequence | None" = None  # admit only once this one's prompt is computed
         self.prompt = prompt
         self.token_ids = list(prompt_token_ids)  # prompt, then generated
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -53,7 +52,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.block_table: list[int] = []  # logical block i -> physical block number
-        self.block_hashes: list[int] = []  # chained content hashes of the full, computed blocks
+        self.block_hashes: list[int] = []  # chained content hashes of full blocks of token_ids (a memo)
+        self.num_registered_blocks = 0  # leading blocks already in the prefix cache
         self.logprobs: list = []
         self.detokenizer = None  # set by the engine
         self.generator = None  # torch.Generator when params.seed is set

@@ -8,7 +8,8 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def seq(name, n_prompt, max_tokens=8, priority=0):
-    return Sequence(name, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens), max_tokens,
+    start = 1000 * sum(map(ord, name))  # distinct prompts: no prefix sharing between test sequences
+    return Sequence(name, list(range(start, start + n_prompt)), SamplingParams(max_tokens=max_tokens), max_tokens,
                     priority=priority)
 
 
@@ -234,3 +235,17 @@ def test_scheduler_reports_cached_prompt_tokens():
     sched.postprocess(out, [3])
     _run_to_completion(sched)
     assert bm.num_free_blocks == 16
+
+
+def test_waits_a_step_for_a_prefix_being_computed():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    a, b = toks("a", range(10), max_tokens=2), toks("b", list(range(8)) + [70, 71], max_tokens=2)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs == [a]  # b's first block is in flight in a
+    sched.postprocess(out, [1])
+    out = sched.schedule()
+    assert out.seqs == [a, b] and out.num_new_tokens == [1, 2] and b.num_cached_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2] and bm.blocks[a.block_table[0]].ref_count == 2
