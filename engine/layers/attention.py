@@ -26,9 +26,10 @@ class AttentionMetadata:
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     # k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if slot_mapping.device.type == "cpu":  # skip padding slots (< 0); on CUDA that check would sync
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping.long(), k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping.long(), v)
 

@@ -42,11 +42,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions, q, k):
-        # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions, dtype):
+        """positions: [num_tokens] -> (cos, sin): [num_tokens, 1, head_dim], shared by all layers."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(q, k, cos_sin):
+    # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x):

@@ -105,7 +105,8 @@ def _decode_kernel(
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq)
     start = split * partition_size
-    end = tl.minimum(ctx, start + partition_size)
+    # the last split runs to the end, so a max_context_len hint that was too small costs speed only
+    end = tl.where(split == num_splits - 1, ctx, tl.minimum(ctx, start + partition_size))
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -411,8 +412,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of one query token per sequence (the last token of its context) over its cache.
 
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32 (-1 padded);
-    context_lens: [num_seqs] int32, >= 1 (0 gives zeros). max_context_len: upper bound on
-    context_lens (Python int; default block_tables width * block_size), only sizes the split.
+    context_lens: [num_seqs] int32, >= 1 (0 gives zeros). max_context_len: expected upper bound on
+    context_lens (Python int; default block_tables width * block_size); it only sizes the split, a
+    wrong value costs speed, not correctness.
     num_splits forces the number of KV splits (tests, tuning). Returns out: [num_seqs, num_heads, head_dim].
     """
     device = q.device

@@ -4,7 +4,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -32,18 +32,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(cfg, self.head_dim, cfg.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions, x, meta: AttentionMetadata):
-        # x: [num_tokens, hidden]
+    def forward(self, rope, x, meta: AttentionMetadata):
+        # x: [num_tokens, hidden]; rope: (cos, sin) of each token's position
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
@@ -71,8 +70,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope, x, meta):
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -89,6 +88,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, **options) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -97,8 +98,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata):
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden):
