@@ -1,0 +1,191 @@
+"""Shared pieces of the benchmarks: model configs, the random checkpoint cache, the workload,
+the machine description and the RESULTS.md log."""
+import datetime
+import os
+import platform
+import shlex
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # `engine` and the stubs importable when run as a script
+    sys.path.insert(0, os.path.join(ROOT, "protos"))
+
+RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+CHECKPOINT_VERSION = "1"
+
+# Random weights, real shapes. "tiny" is the CPU target model.
+MODEL_CONFIGS = {
+    "tiny": ("llama", dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)),
+    "qwen3-0.6b": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                 tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960)),
+    "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5,
+                                max_position_embeddings=8192)),
+}
+GPU_ONLY = {"llama3-8b": "a random Llama-3-8B is 32 GB of float32 weights on disk and in memory"}
+
+
+def add_model_args(p) -> None:
+    g = p.add_argument_group("model")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--model-config", choices=sorted(MODEL_CONFIGS), default="tiny",
+                   help="random weights with this model's shapes, built once into the cache (default: tiny)")
+    m.add_argument("--model", help="an existing HF checkpoint directory instead")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--force", action="store_true", help="build/run a GPU-sized config on CPU anyway")
+    g.add_argument("--threads", type=int, help="torch CPU threads for every peer (and a spawned server); "
+                                               "default: torch's (the core count). On a shared, busy machine "
+                                               "--threads 1 avoids OpenMP threads waiting on descheduled peers")
+
+
+def apply_threads(n: int | None) -> None:
+    if n:
+        import torch
+        torch.set_num_threads(n)
+        os.environ["OMP_NUM_THREADS"] = str(n)  # for the processes we start
+
+
+def add_workload_args(p, num_requests=256, input_len=(100, 1024), output_len=(100, 1024)) -> None:
+    g = p.add_argument_group("workload (random token prompts; the same seed gives the same requests)")
+    g.add_argument("--num-requests", type=int, default=num_requests)
+    g.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=list(input_len),
+                   help="prompt lengths, uniform in [MIN, MAX]")
+    g.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=list(output_len),
+                   help="generated tokens per request (EOS ignored), uniform in [MIN, MAX]")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_results_args(p) -> None:
+    p.add_argument("--results", metavar="PATH", default=RESULTS_MD,
+                   help="append a section (date, command, machine, table) to this markdown log "
+                        "(default: benchmarks/RESULTS.md)")
+    p.add_argument("--no-results", action="store_true", help="do not append to the log")
+
+
+def resolve_device(name: str) -> str:
+    import torch
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    if name != "auto":
+        return name
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def model_path(args) -> str:
+    """The checkpoint to benchmark: --model as given, else the cached random one (built on first use)."""
+    if args.model:
+        return args.model
+    name = args.model_config
+    if name in GPU_ONLY and resolve_device(args.device) == "cpu" and not args.force:
+        sys.exit(f"refusing --model-config {name} on CPU: {GPU_ONLY[name]}. Run it on a GPU machine, "
+                 f"or pass --force.")
+    return cached_checkpoint(name)
+
+
+def cache_root() -> str:
+    return os.environ.get("PAGODA_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda")
+
+
+def cached_checkpoint(name: str) -> str:
+    from engine.demo import build_tiny_checkpoint
+
+    path = os.path.join(cache_root(), f"bench-{name}-v{CHECKPOINT_VERSION}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(cache_root(), exist_ok=True)
+    arch, overrides = MODEL_CONFIGS[name]
+    print(f"building random checkpoint {name} in {path} (once) ...", file=sys.stderr, flush=True)
+    tmp = tempfile.mkdtemp(dir=cache_root(), prefix=f".bench-{name}-")
+    build_tiny_checkpoint(tmp, arch, seed=0, **overrides)
+    try:
+        os.rename(tmp, path)  # atomic; a concurrent builder's copy wins
+    except OSError:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def token_pool(tokenizer) -> np.ndarray:
+    """Ids safe for random prompts: the base vocabulary, without special or added tokens
+    (for the byte tokenizer: the 256 bytes)."""
+    added = set(tokenizer.added_tokens_decoder) | set(tokenizer.all_special_ids)
+    ids = [i for i in range(tokenizer.vocab_size) if i not in added]
+    return np.array(ids, dtype=np.int64)
+
+
+def make_workload(tokenizer, num_requests, input_len, output_len, seed) -> list[tuple[list[int], int]]:
+    """[(prompt token ids, output length)], a pure function of the arguments."""
+    rng = np.random.default_rng(seed)
+    pool = token_pool(tokenizer)
+    in_lens = rng.integers(input_len[0], input_len[1] + 1, size=num_requests)
+    out_lens = rng.integers(output_len[0], output_len[1] + 1, size=num_requests)
+    return [(rng.choice(pool, size=int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+# ---- reporting ----
+
+def machine() -> str:
+    import torch
+    import transformers
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    parts = [f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"]
+    if torch.cuda.is_available():
+        parts.append(f"GPU {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
+    parts.append(f"torch {torch.__version__}, transformers {transformers.__version__}, "
+                 f"Python {platform.python_version()}")
+    if hasattr(os, "getloadavg"):  # the machine may be shared: a busy one gives slower, noisier numbers
+        parts.append("load average %.1f %.1f %.1f" % os.getloadavg())
+    return "; ".join(parts)
+
+
+def markdown_table(headers, rows) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def command_line() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+
+
+def append_results(path: str, title: str, body: str) -> None:
+    """Append a dated section with the command and the machine to the results log."""
+    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    section = (f"\n## {now}: {title}\n\n```\n{command_line()}\n```\n\nMachine: {machine()}\n\n{body.rstrip()}\n")
+    new = not os.path.exists(path)
+    with open(path, "a") as f:
+        if new:
+            f.write("# Benchmark results\n\nAppend-only log: every run of benchmarks/throughput.py and "
+                    "benchmarks/serving.py adds a section\n(`--no-results` to skip). Newest last.\n")
+        f.write(section)
+    print(f"appended to {path}", file=sys.stderr)
+
+
+def percentiles(values, ps=(50, 90, 99)) -> dict:
+    if not values:
+        return {f"p{p}": float("nan") for p in ps} | {"mean": float("nan")}
+    arr = np.asarray(values, dtype=np.float64)
+    return {f"p{p}": float(np.percentile(arr, p)) for p in ps} | {"mean": float(arr.mean())}

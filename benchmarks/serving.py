@@ -1,0 +1,345 @@
+"""Serving benchmark: an asyncio gRPC load generator against `pagoda serve` (GenerateStream).
+
+Requests are the same random-token prompts as benchmarks/throughput.py (same flags, same seed),
+greedy, EOS ignored, max_tokens = the request's output length; every stream must return exactly
+that many tokens (a mismatch or a failed call is an error and makes the exit status 1).
+Arrivals: --concurrency N clients, each sending its next request when the last one ends, or
+--request-rate R (Poisson arrivals, R requests/s).
+
+    python benchmarks/serving.py --spawn-server --offline-compare --model-config tiny \\
+        --num-requests 64 --input-len 32 256 --output-len 128 128 --concurrency 64
+"""
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import common
+import numpy as np
+from tqdm import tqdm
+
+THROUGHPUT_PY = os.path.join(common.ROOT, "benchmarks", "throughput.py")
+
+
+@dataclass
+class Record:
+    """One request as the client saw it (times from time.perf_counter)."""
+    index: int
+    prompt_len: int
+    asked: int
+    sent: float = 0.0
+    arrivals: list = field(default_factory=list)  # (time, tokens in that message)
+    tokens: int = 0
+    finish_reason: int = 0
+    usage_tokens: int = -1
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.tokens == self.asked == self.usage_tokens
+
+    def problem(self) -> str:
+        if self.error:
+            return self.error
+        return f"asked for {self.asked} tokens, stream carried {self.tokens}, usage said {self.usage_tokens}"
+
+
+# ---- the client ----
+
+def stream_request(pb, index: int, prompt: list[int], n: int):
+    return pb.GenerateStreamRequest(request_id=f"bench-{index}", token_ids=pb.TokenIds(ids=prompt),
+                                    sampling=pb.SamplingParams(temperature=0.0),
+                                    stopping=pb.StoppingCriteria(max_tokens=n, ignore_eos=True))
+
+
+async def one_request(stub, pb, index, prompt, n, timeout) -> Record:
+    import grpc
+
+    rec = Record(index, len(prompt), n)
+    rec.sent = time.perf_counter()
+    try:
+        async for msg in stub.GenerateStream(stream_request(pb, index, prompt, n), timeout=timeout):
+            if msg.token_ids:
+                rec.arrivals.append((time.perf_counter(), len(msg.token_ids)))
+                rec.tokens += len(msg.token_ids)
+            if msg.finish_reason:
+                rec.finish_reason, rec.usage_tokens = msg.finish_reason, msg.usage.completion_tokens
+    except grpc.aio.AioRpcError as e:
+        rec.error = f"{e.code().name}: {e.details()}"
+    if rec.error is None and rec.finish_reason != pb.FINISH_REASON_LENGTH:
+        rec.error = f"finish_reason {pb.FinishReason.Name(rec.finish_reason)}, expected FINISH_REASON_LENGTH"
+    return rec
+
+
+async def run_load(target, workload, args, bar=None) -> tuple[list[Record], float]:
+    """Sends the workload; returns the records and the wall time from first send to last end."""
+    import grpc
+    from pagoda.v1 import generation_pb2 as pb
+    from pagoda.v1 import generation_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+
+        async def send(i):
+            rec = await one_request(stub, pb, i, workload[i][0], workload[i][1], args.request_timeout)
+            if bar is not None:
+                bar.update(1)
+            return rec
+
+        start = time.perf_counter()
+        if args.request_rate:
+            records = await poisson(send, len(workload), args.request_rate, args.seed)
+        else:
+            records = await closed_loop(send, len(workload), args.concurrency)
+        return records, time.perf_counter() - start
+
+
+async def closed_loop(send, count: int, concurrency: int) -> list[Record]:
+    """`concurrency` clients; each sends the next request (in order) when its last one ends."""
+    pending = iter(range(count))
+    records = []
+
+    async def client():
+        for i in pending:
+            records.append(await send(i))
+
+    await asyncio.gather(*(client() for _ in range(min(concurrency, count))))
+    return sorted(records, key=lambda r: r.index)
+
+
+async def poisson(send, count: int, rate: float, seed: int) -> list[Record]:
+    gaps = np.random.default_rng(seed + 2).exponential(1.0 / rate, size=count)
+    tasks = []
+    for i, gap in enumerate(gaps):
+        if i:
+            await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(send(i)))
+    return list(await asyncio.gather(*tasks))
+
+
+# ---- metrics ----
+
+def metrics(records: list[Record], duration: float) -> dict:
+    good = [r for r in records if r.ok]
+    ttft = [r.arrivals[0][0] - r.sent for r in good]
+    e2e = [r.arrivals[-1][0] - r.sent for r in good]
+    tpot = [(r.arrivals[-1][0] - r.arrivals[0][0]) / (r.tokens - 1) for r in good if r.tokens > 1]
+    # one inter-token latency per streamed message after the first (a message may carry several tokens)
+    itl = [b[0] - a[0] for r in good for a, b in zip(r.arrivals, r.arrivals[1:])]
+    prompt = sum(r.prompt_len for r in good)
+    output = sum(r.tokens for r in good)
+    return {
+        "completed": len(good), "failed": len(records) - len(good), "duration_s": duration,
+        "requests_per_s": len(good) / duration, "output_tokens_per_s": output / duration,
+        "total_tokens_per_s": (prompt + output) / duration,
+        "ttft_ms": ms(common.percentiles(ttft)), "tpot_ms": ms(common.percentiles(tpot)),
+        "itl_ms": ms(common.percentiles(itl)), "e2e_ms": ms(common.percentiles(e2e)),
+        "tokens_per_message": output / max(1, sum(len(r.arrivals) for r in good)),
+    }
+
+
+def ms(stats: dict) -> dict:
+    return {k: v * 1000 for k, v in stats.items()}
+
+
+def report(m: dict, offline: dict | None) -> str:
+    rows = [[name, f"{m[key]['mean']:.1f}", f"{m[key]['p50']:.1f}", f"{m[key]['p90']:.1f}", f"{m[key]['p99']:.1f}"]
+            for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))]
+    text = [common.markdown_table(["latency (ms)", "mean", "p50", "p90", "p99"], rows), "",
+            f"- completed {m['completed']}, failed {m['failed']}, in {m['duration_s']:.1f} s "
+            f"({m['tokens_per_message']:.2f} tokens per streamed message)",
+            f"- throughput: {m['requests_per_s']:.2f} requests/s, {m['output_tokens_per_s']:.1f} output tok/s, "
+            f"{m['total_tokens_per_s']:.1f} total tok/s"]
+    if offline:
+        text.append(f"- offline pagoda on the same workload: {offline['output_tokens_per_s']:.1f} output tok/s "
+                    f"({offline['elapsed_s']:.1f} s); serving/offline = "
+                    f"{m['serving_over_offline']:.3f}")
+    return "\n".join(text)
+
+
+# ---- the server process ----
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pagoda_command() -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "pagoda")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "client.cli"]
+
+
+@contextlib.contextmanager
+def spawned_server(path: str, args):
+    """`pagoda serve` on a free loopback port, until SERVING; SIGTERM on the way out."""
+    port = free_port()
+    cmd = pagoda_command() + ["serve", "--model", path, "--host", "127.0.0.1", "--port", str(port),
+                              "--dtype", args.dtype, "--device", args.device, "--log-level", "WARNING"]
+    cmd += shlex.split(args.server_args or "")
+    log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-serve-", suffix=".log", delete=False)
+    print(f"starting: {shlex.join(cmd)} (log {log.name})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT)
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc, args.server_timeout, log.name)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_server(proc)
+        log.close()
+    os.unlink(log.name)  # kept when something failed
+
+
+def wait_serving(target: str, proc, timeout: float, log_path: str) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                sys.exit(f"pagoda serve exited with {proc.returncode}; see {log_path}")
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    sys.exit(f"pagoda serve was not SERVING after {timeout:.0f} s; see {log_path}")
+
+
+def stop_server(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- offline comparison ----
+
+def offline_throughput(path: str, args) -> dict:
+    """Runs throughput.py (pagoda only) on the same model and workload in a separate process."""
+    out = tempfile.NamedTemporaryFile(prefix="pagoda-offline-", suffix=".json", delete=False).name
+    cmd = [sys.executable, THROUGHPUT_PY, "--model", path, "--dtype", args.dtype, "--device", args.device,
+           "--num-requests", str(args.num_requests), "--input-len", *map(str, args.input_len),
+           "--output-len", *map(str, args.output_len), "--seed", str(args.seed), "--peers", "pagoda",
+           "--json", out, "--no-results"] + (["--threads", str(args.threads)] if args.threads else [])
+    print(f"offline run: {shlex.join(cmd)}", file=sys.stderr)
+    try:
+        subprocess.run(cmd, check=True, cwd=common.ROOT)
+        return read_offline(out, args)
+    finally:
+        os.unlink(out)
+
+
+def read_offline(path: str, args) -> dict:
+    with open(path) as f:
+        doc = json.load(f)
+    same = (doc["num_requests"], list(doc["input_len"]), list(doc["output_len"]), doc["seed"]) == \
+        (args.num_requests, list(args.input_len), list(args.output_len), args.seed)
+    if not same:
+        print(f"WARNING: {path} was measured on another workload", file=sys.stderr)
+    return next(r for r in doc["results"] if r["peer"] == "pagoda")
+
+
+# ---- main ----
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    common.add_workload_args(p)
+    g = p.add_argument_group("load")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--concurrency", type=int, default=64, help="closed loop: clients in flight (default 64)")
+    m.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals, requests per second")
+    g.add_argument("--request-timeout", type=float, default=1800, help="deadline of each call, s (default 1800)")
+    s = p.add_argument_group("server")
+    s.add_argument("--target", default="localhost:50051", help="a running server (default localhost:50051)")
+    s.add_argument("--spawn-server", action="store_true",
+                   help="start `pagoda serve` for this run on a free loopback port, stop it afterwards")
+    s.add_argument("--server-args", help="extra `pagoda serve` flags, one string (with --spawn-server)")
+    s.add_argument("--server-timeout", type=float, default=600, help="seconds to wait for SERVING (default 600)")
+    o = p.add_mutually_exclusive_group()
+    o.add_argument("--offline-compare", action="store_true",
+                   help="also run the workload offline (throughput.py, pagoda only, another process, after "
+                        "the serving run) and report serving/offline throughput")
+    o.add_argument("--offline-json", metavar="PATH", help="read the offline numbers from a throughput.py --json")
+    p.add_argument("--json", metavar="PATH", help="write the measurements here")
+    common.add_results_args(p)
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    args.device = common.resolve_device(args.device)
+    args.dtype = common.resolve_dtype(args.dtype, args.device)
+    common.apply_threads(args.threads)
+    return args
+
+
+def run_serving(target: str, workload, warmup, args) -> tuple[list[Record], float]:
+    asyncio.run(run_load(target, warmup, args))
+    with tqdm(total=len(workload), desc="serving", unit="req", file=sys.stderr, disable=args.no_progress) as bar:
+        return asyncio.run(run_load(target, workload, args, bar))
+
+
+def describe(args, path: str, workload, target: str) -> str:
+    load = f"Poisson arrivals at {args.request_rate} requests/s" if args.request_rate else \
+        f"{args.concurrency} concurrent streams"
+    server = "spawned `pagoda serve`" if args.spawn_server else "running server"
+    if args.spawn_server and args.server_args:
+        server += f" {args.server_args}"
+    if args.spawn_server and args.threads:
+        server += f", OMP_NUM_THREADS={args.threads}"
+    model = args.model or f"{args.model_config} (random weights, {path})"
+    output = sum(n for _, n in workload)
+    return (f"gRPC GenerateStream against {target} ({server}), {load}. Model {model}, {args.device} "
+            f"{args.dtype}. {len(workload)} requests, prompts {args.input_len[0]}..{args.input_len[1]} tokens, "
+            f"outputs {args.output_len[0]}..{args.output_len[1]} tokens ({output} in all), seed {args.seed}, "
+            f"greedy, EOS ignored.")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    path = common.model_path(args)
+    tokenizer = common.load_tokenizer(path)
+    workload = common.make_workload(tokenizer, args.num_requests, args.input_len, args.output_len, args.seed)
+    warmup = common.make_workload(tokenizer, 4, args.input_len, (4, 4), args.seed + 1)
+    with (spawned_server(path, args) if args.spawn_server else contextlib.nullcontext(args.target)) as target:
+        records, duration = run_serving(target, workload, warmup, args)
+    m = metrics(records, duration)
+    offline = offline_throughput(path, args) if args.offline_compare else \
+        read_offline(args.offline_json, args) if args.offline_json else None
+    if offline:
+        m["offline"] = offline
+        m["serving_over_offline"] = m["output_tokens_per_s"] / offline["output_tokens_per_s"]
+    text = f"{describe(args, path, workload, target)}\n\n{report(m, offline)}\n"
+    bad = [r for r in records if not r.ok]
+    for r in bad[:10]:
+        text += f"- ERROR request {r.index}: {r.problem()}\n"
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "serving", "command": common.command_line(), "machine": common.machine(),
+                       "model": path, "args": vars(args), "metrics": m}, f, indent=2)
+    if not args.no_results:
+        common.append_results(args.results, "gRPC serving (benchmarks/serving.py)", text)
+    if bad:
+        print(f"ERROR: {len(bad)} of {len(records)} streams failed or did not end with the tokens they "
+              f"asked for", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
