@@ -82,11 +82,30 @@ def _rpc_errors(fn):
     return wrapped
 
 
-def _print_json(msg) -> None:
-    from google.protobuf import json_format
+def _as_dict(msg) -> dict:
+    """A message as a dict in .proto order, with .proto field names, enum names and plain ints
+    (protojson would quote 64-bit ints). Unset optional fields are left out."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        if f.has_presence and not msg.HasField(f.name):
+            continue
+        value = getattr(msg, f.name)
+        if f.message_type is not None:
+            value = [_as_dict(v) for v in value] if f.is_repeated else _as_dict(value)
+        elif f.enum_type is not None:
+            name = f.enum_type.values_by_number[value].name if not f.is_repeated else None
+            value = name if name is not None else [f.enum_type.values_by_number[v].name for v in value]
+        elif f.is_repeated:
+            value = list(value)
+        out[f.name] = value
+    return out
 
-    print(json_format.MessageToJson(msg, preserving_proto_field_name=True,
-                                    always_print_fields_with_no_presence=True))
+
+def _print_json(msg, lines: bool = False) -> None:
+    """Pretty JSON, or one line per message (lines=True, for streams)."""
+    import json
+
+    print(json.dumps(_as_dict(msg), indent=None if lines else 2, ensure_ascii=False), flush=True)
 
 
 @_rpc_errors
@@ -100,7 +119,7 @@ def _generate(args: argparse.Namespace) -> int:
         if args.json:
             if args.stream:
                 for msg in c.generate_stream(prompt, **kw):
-                    _print_json(msg)
+                    _print_json(msg, lines=True)
             else:
                 _print_json(c.generate(prompt, **kw))
             return 0
@@ -198,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--logprobs", action="store_true", help="ask for logprobs (shown with --json)")
     p.add_argument("--top-logprobs", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print the response message(s) as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the response as JSON (with --stream: one JSON line per message)")
     p.add_argument("-v", "--verbose", action="store_true", help="print finish reason and usage to stderr")
     _add_sampling(p)
     _add_target(p)

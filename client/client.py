@@ -41,12 +41,14 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
     req = pb.GenerateStreamRequest() if stream else pb.GenerateRequest()
     req.request_id = request_id
     if messages is not None:
+        req.messages.SetInParent()  # an empty conversation is still "messages", which the server rejects
         for m in messages:
             role, content = (m["role"], m["content"]) if isinstance(m, dict) else m
             req.messages.messages.add(role=role, content=content)
     elif isinstance(prompt, str):
         req.text = prompt
     elif prompt is not None:
+        req.token_ids.SetInParent()
         req.token_ids.ids.extend(prompt)
     values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,

@@ -1,0 +1,123 @@
+"""The pagoda.v1 contract: stubs up to date with the .proto, buf lint (STANDARD), field names and
+presence that clients rely on. No server needed."""
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from grpc_fixtures import BUF, REPO, require_node_modules
+from pagoda.v1 import generation_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+PROTO_DIR = REPO / "protos"
+STUB_DIR = PROTO_DIR / "pagoda" / "v1"
+
+
+def test_stubs_are_up_to_date(tmp_path):
+    """Regenerating with grpcio-tools gives byte-identical files (else: python protos/generate.py)."""
+    spec = importlib.util.spec_from_file_location("protos_generate", PROTO_DIR / "generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    fresh = gen.generate(tmp_path)
+    assert fresh, "protos/generate.py generated nothing"
+    stale = []
+    for path in fresh:
+        committed = STUB_DIR / path.name
+        if not committed.exists() or committed.read_bytes() != path.read_bytes():
+            stale.append(path.name)
+    assert not stale, (f"generated stubs out of date with the .proto: {stale}; "
+                       f"run `python protos/generate.py` (with the grpcio-tools pinned in pyproject.toml)")
+
+
+def test_stubs_import_from_elsewhere(tmp_path):
+    """The stubs are the installed package pagoda.v1, importable outside the repository."""
+    code = "import pagoda.v1.generation_pb2 as m, pagoda.v1.generation_pb2_grpc; print(m.DESCRIPTOR.package)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "pagoda.v1"
+
+
+def test_buf_lint_standard():
+    require_node_modules()
+    out = subprocess.run([str(PROTO_DIR / "lint.sh")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"buf lint failed:\n{out.stdout}{out.stderr}"
+    buf_yaml = (PROTO_DIR / "buf.yaml").read_text()
+    assert "STANDARD" in buf_yaml
+    assert BUF.exists()
+
+
+def test_service_methods():
+    svc = pb.DESCRIPTOR.services_by_name["GenerationService"]
+    assert svc.full_name == "pagoda.v1.GenerationService"
+    methods = {m.name: m for m in svc.methods}
+    assert set(methods) == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "GetStats"}
+    assert methods["GenerateStream"].server_streaming and not methods["GenerateStream"].client_streaming
+    assert not methods["Generate"].server_streaming
+
+
+@pytest.mark.parametrize("msg", [pb.GenerateRequest, pb.GenerateStreamRequest])
+def test_request_field_names(msg):
+    d = msg.DESCRIPTOR
+    prompt = d.oneofs_by_name["prompt"]
+    assert {f.name for f in prompt.fields} == {"text", "token_ids", "messages"}
+    assert [f.name for f in d.fields_by_name["token_ids"].message_type.fields] == ["ids"]
+    chat = d.fields_by_name["messages"].message_type.fields_by_name["messages"].message_type
+    assert {f.name for f in chat.fields} == {"role", "content"}
+    for name in ("request_id", "logprobs", "top_logprobs", "priority"):
+        assert name in d.fields_by_name
+    sampling = d.fields_by_name["sampling"].message_type
+    for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        assert sampling.fields_by_name[name].has_presence, f"sampling.{name} must be optional"
+    stopping = d.fields_by_name["stopping"].message_type
+    for name in ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos"):
+        assert name in stopping.fields_by_name
+    assert stopping.fields_by_name["max_tokens"].has_presence
+
+
+def test_stream_request_is_wire_compatible_with_unary_request():
+    a, b = pb.GenerateRequest.DESCRIPTOR, pb.GenerateStreamRequest.DESCRIPTOR
+    assert [(f.name, f.number, f.type) for f in a.fields] == [(f.name, f.number, f.type) for f in b.fields]
+    req = pb.GenerateRequest(text="hi", request_id="x", priority=3)
+    req.sampling.temperature = 0.0
+    req.stopping.max_tokens = 5
+    back = pb.GenerateStreamRequest.FromString(req.SerializeToString())
+    assert back.text == "hi" and back.request_id == "x" and back.priority == 3
+    assert back.sampling.HasField("temperature") and back.stopping.max_tokens == 5
+
+
+def test_explicit_zero_differs_from_unset():
+    s = pb.SamplingParams()
+    assert not s.HasField("temperature")
+    s.temperature = 0.0
+    assert s.HasField("temperature")
+    assert pb.SamplingParams.FromString(s.SerializeToString()).HasField("temperature")
+
+
+def test_response_field_names_and_finish_reasons():
+    for msg in (pb.GenerateResponse, pb.GenerateStreamResponse):
+        names = set(msg.DESCRIPTOR.fields_by_name)
+        assert {"request_id", "text", "token_ids", "finish_reason", "usage", "logprobs"} <= names
+    assert set(pb.Usage.DESCRIPTOR.fields_by_name) == {"prompt_tokens", "completion_tokens", "cached_prompt_tokens"}
+    reasons = set(pb.FinishReason.keys())
+    assert {"FINISH_REASON_UNSPECIFIED", "FINISH_REASON_LENGTH", "FINISH_REASON_STOP_STRING",
+            "FINISH_REASON_STOP_TOKEN", "FINISH_REASON_EOS"} <= reasons
+    assert pb.FinishReason.Value("FINISH_REASON_UNSPECIFIED") == 0
+
+
+def test_cli_and_server_import_without_torch():
+    """`pagoda --help` stays fast, and the server listens (health NOT_SERVING) before torch loads."""
+    code = ("import sys, client.cli, server.main, server.app; client.cli.build_parser(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_server_limits_match_the_engine():
+    from engine.sampling_params import MAX_TOP_LOGPROBS
+    from server import convert
+
+    assert convert.MAX_TOP_LOGPROBS == MAX_TOP_LOGPROBS
