@@ -24,7 +24,7 @@ DEFAULT_TARGET = "localhost:50051"
 SERVICE_NAME = "pagoda.v1.GenerationService"
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
-             "frequency_penalty")
+             "frequency_penalty", "n")
 
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterable | None = None,
@@ -34,7 +34,7 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   max_tokens: int | None = None, min_tokens: int | None = None, stop: Iterable[str] = (),
                   stop_token_ids: Iterable[int] = (), ignore_eos: bool = False, logprobs: bool = False,
-                  top_logprobs: int | None = None, priority: int = 0):
+                  top_logprobs: int | None = None, priority: int = 0, n: int | None = None):
     """A GenerateRequest (or GenerateStreamRequest with stream=True). The prompt is text (str), token
     ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts.
     None leaves a field unset, so the server's default applies."""
@@ -52,7 +52,7 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
         req.token_ids.ids.extend(prompt)
     values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                  frequency_penalty=frequency_penalty)
+                  frequency_penalty=frequency_penalty, n=n)
     for name in _SAMPLING:
         if values[name] is not None:
             setattr(req.sampling, name, values[name])

@@ -29,6 +29,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, object]] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._unfinished: dict[str, int] = {}  # request id -> its sequences not yet delivered finished
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
         self._num_pending = 0  # added but not yet seen by the loop
         self._closed = False
@@ -67,6 +68,7 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
+            self._unfinished[request_id] = len(seqs)
             self._num_pending += len(seqs)
             self._inbox.append(("add", seqs))
             self._cv.notify()
@@ -96,6 +98,7 @@ class AsyncEngine:
         self._outbox = [(loop, queue, EngineClosedError("the engine shut down"))
                         for loop, queue in self._queues.values()]
         self._queues.clear()
+        self._unfinished.clear()
         self._flush()
 
     # ---- the loop thread ----
@@ -128,8 +131,9 @@ class AsyncEngine:
             try:
                 self.engine.add_sequences(item)
             except Exception as e:
-                entry = self._queues.pop(item[0].request_id, None)
+                entry = self._queues.get(item[0].request_id)
                 if entry is not None:
+                    self._drop(item[0].request_id)
                     self._outbox.append((*entry, e))
             return
         for seq in self.engine.abort(item):
@@ -148,12 +152,18 @@ class AsyncEngine:
         if entry is None:
             return
         if seq.finish_reason is FinishReason.ERROR:
-            del self._queues[seq.request_id]
+            self._drop(seq.request_id)
             self._outbox.append((*entry, EngineError(f"request {seq.request_id} failed: {seq.error}")))
             return
-        if seq.request_id not in self.engine.requests:  # the whole request is done
-            del self._queues[seq.request_id]
+        if seq.is_finished:
+            self._unfinished[seq.request_id] -= 1
+            if not self._unfinished[seq.request_id]:  # the whole request is done
+                self._drop(seq.request_id)
         self._outbox.append((*entry, _delta(seq)))
+
+    def _drop(self, request_id: str) -> None:
+        del self._queues[request_id]
+        del self._unfinished[request_id]
 
     def _flush(self) -> None:
         """Hand this step's outputs to their event loops: one wake-up per loop, not per request."""

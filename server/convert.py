@@ -16,6 +16,7 @@ DEFAULT_MAX_TOKENS = 256  # when the request leaves stopping.max_tokens unset (c
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_N = 64  # engine.sampling_params.MAX_N
 MAX_TOP_LOGPROBS = 20  # engine.sampling_params.MAX_TOP_LOGPROBS (not imported here: it pulls in torch)
 
 FINISH_REASONS = {
@@ -41,6 +42,7 @@ ENGINE_FIELDS = {
     "stop": "stopping.stop",
     "stop_token_ids": "stopping.stop_token_ids",
     "ignore_eos": "stopping.ignore_eos",
+    "n": "sampling.n",
 }
 
 
@@ -98,6 +100,10 @@ def _sampling(s: pb.SamplingParams) -> dict:
     for name in ("presence_penalty", "frequency_penalty"):
         if s.HasField(name):
             out[name] = _finite(f"sampling.{name}", getattr(s, name), -2.0, 2.0, "in [-2, 2]")
+    if s.HasField("n"):
+        if not 1 <= s.n <= MAX_N:
+            raise RequestError("sampling.n", f"must be in [1, {MAX_N}], got {s.n}")
+        out["n"] = s.n
     return out
 
 
@@ -209,7 +215,7 @@ def logprobs(items) -> list[pb.TokenLogprob]:
 def stream_response(request_id: str, out) -> pb.GenerateStreamResponse:
     """One engine delta as a stream message; finish_reason and usage only on the last one."""
     msg = pb.GenerateStreamResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                    logprobs=logprobs(out.logprobs))
+                                    logprobs=logprobs(out.logprobs), index=out.index)
     if out.finished:
         msg.finish_reason = finish_reason(out)
         msg.usage.CopyFrom(usage(out))
@@ -247,4 +253,7 @@ def stats(s) -> pb.GetStatsResponse:
         generated_tokens=s.num_generated_tokens,
         num_preemptions=s.num_preemptions,
         uptime_seconds=s.uptime_s,
+        kv_blocks_cached=s.num_cached_blocks,
+        cached_prompt_tokens=s.num_cached_prompt_tokens,
+        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
     )

@@ -48,6 +48,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int, default=1024)
     opt("--attention-backend", "ATTENTION_BACKEND", "attention implementation (default: auto)", default="auto",
         choices=["auto", "torch", "triton"])
+    opt("--prefix-caching", "PREFIX_CACHING", "reuse the KV cache of repeated prompt prefixes (default: on)",
+        default="on", choices=["on", "off"])
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
         f"(default: {DEFAULT_GRACE_S:g})", type=float, default=DEFAULT_GRACE_S)
     opt("--log-level", "LOG_LEVEL", "logging level (default: INFO)", default="INFO")
@@ -67,6 +69,7 @@ def engine_config(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         max_queue_len=args.max_queue_len,
         attention_backend=args.attention_backend,
+        enable_prefix_caching=args.prefix_caching == "on",
     )
 
 

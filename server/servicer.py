@@ -95,7 +95,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id {req.request_id!r} is already used by a request in flight")
         self.state.request_ids.add(req.request_id)
-        finished = False
+        unfinished = req.params.n
         outputs = engine.generate(req.prompt, req.params, request_id=req.request_id, priority=req.priority)
         try:
             async for out in outputs:
@@ -103,11 +103,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     from engine.errors import EngineError
 
                     raise EngineError(out.error or "the engine step running this request failed")
-                finished = out.finished
+                unfinished -= out.finished
                 yield req.request_id, out
         finally:
             self.state.request_ids.discard(req.request_id)
-            if not finished:
+            if unfinished:
                 engine.abort(req.request_id)
             aclose = getattr(outputs, "aclose", None)
             if aclose is not None:
@@ -115,18 +115,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request, context):
         async with self._call(context) as engine:
-            text, ids, lps, last, rid = [], [], [], None, request.request_id
+            choices: dict[int, list] = {}  # index -> [texts, token ids, logprobs, last output]
+            rid = request.request_id
             async with contextlib.aclosing(self._generate(engine, request, context)) as outputs:
                 async for rid, out in outputs:
-                    text.append(out.text)
-                    ids.extend(out.token_ids)
-                    lps.extend(convert.logprobs(out.logprobs))
-                    last = out
-            if last is None or not last.finished:
+                    c = choices.setdefault(out.index, [[], [], [], None])
+                    c[0].append(out.text)
+                    c[1].extend(out.token_ids)
+                    c[2].extend(convert.logprobs(out.logprobs))
+                    c[3] = out
+            if not choices or not all(c[3].finished for c in choices.values()):
                 raise RuntimeError("the engine ended the request without a final output")
-            return pb.GenerateResponse(request_id=rid, text="".join(text), token_ids=ids,
-                                       finish_reason=convert.finish_reason(last), usage=convert.usage(last),
-                                       logprobs=lps)
+            done = [pb.Choice(index=i, text="".join(c[0]), token_ids=c[1], finish_reason=convert.finish_reason(c[3]),
+                              logprobs=c[2]) for i, c in sorted(choices.items())]
+            first = choices[min(choices)][3]
+            usage = convert.usage(first)
+            usage.completion_tokens = sum(c[3].num_generated_tokens for c in choices.values())
+            return pb.GenerateResponse(request_id=rid, text=done[0].text, token_ids=done[0].token_ids,
+                                       finish_reason=done[0].finish_reason, usage=usage,
+                                       logprobs=done[0].logprobs, choices=done)
 
     async def GenerateStream(self, request, context):
         async with self._call(context) as engine:

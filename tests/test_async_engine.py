@@ -94,3 +94,12 @@ def test_failing_step_fails_only_its_requests(engine):
     assert outs[-1].num_generated_tokens == 4
     s = engine.stats()
     assert s.num_free_blocks == s.num_total_blocks
+
+
+def test_n_choices_stream_to_the_end(engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    outs = asyncio.run(asyncio.wait_for(_collect(engine, [5, 6, 7, 8], params), 30))
+    finished = [o.index for o in outs if o.finished]
+    assert sorted(finished) == [0, 1, 2]
+    for i in range(3):
+        assert sum(len(o.token_ids) for o in outs if o.index == i) == 6

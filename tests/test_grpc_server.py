@@ -366,3 +366,39 @@ def test_loading_queue_full_and_draining():
 
 def test_health_status_names_match_grpc():
     assert health_pb2.HealthCheckResponse.ServingStatus.Name(1) == "SERVING"
+
+
+# ---- n completions and prefix caching ----
+
+def test_n_choices_unary_and_stream(client):
+    kw = dict(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True, n=3)
+    r = client.generate([5, 6, 7, 8], **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert (r.text, list(r.token_ids)) == (r.choices[0].text, list(r.choices[0].token_ids))
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == 4
+    assert len({tuple(c.token_ids) for c in r.choices}) > 1
+    pieces: dict[int, list[int]] = {}
+    finished = set()
+    for m in client.generate_stream([5, 6, 7, 8], **kw):
+        pieces.setdefault(m.index, []).extend(m.token_ids)
+        if m.finish_reason:
+            finished.add(m.index)
+            assert m.usage.completion_tokens == 6
+    assert finished == {0, 1, 2}
+    assert [pieces[i] for i in range(3)] == [list(c.token_ids) for c in r.choices]
+    wait_all_blocks_free(client)
+
+
+def test_n_out_of_range(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("hi", n=65)
+    assert e.value.code() == INVALID and "sampling.n" in e.value.details()
+
+
+def test_prefix_cache_reuse_reported(client):
+    prompt = list(range(40, 80))  # 40 tokens: two full 16-token blocks
+    client.generate(prompt + [1], max_tokens=2)
+    r = client.generate(prompt + [2], max_tokens=2)
+    assert r.usage.cached_prompt_tokens == 32
+    s = client.stats()
+    assert s.cached_prompt_tokens >= 32 and 0 < s.prefix_cache_hit_rate <= 1 and s.kv_blocks_cached >= 2

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagoda/v1/generation.proto\x12\tpagoda.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\"\xd2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x9c\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"\xc2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.pagoda.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x06 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x08\n\x06promptB\x0f\n\r_top_logprobs\"\xc8\x02\n\x15GenerateStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.pagoda.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x06 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x08\n\x06promptB\x0f\n\r_top_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.pagoda.v1.TopLogprob\"\xc3\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"\xc9\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\x0cServerLimits\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x15\n\rmax_queue_len\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x04 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x05 \x01(\r\"\xe4\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\'\n\x06limits\x18\t \x01(\x0b\x32\x17.pagoda.v1.ServerLimits\"\x11\n\x0fGetStatsRequest\"\xf1\x01\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x1f\n\x17prompt_tokens_processed\x18\x06 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\t \x01(\x01*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x32\x8c\x03\n\x11GenerationService\x12\x43\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12 .pagoda.v1.GenerateStreamRequest\x1a!.pagoda.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pagoda.v1.TokenizeRequest\x1a\x1b.pagoda.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.pagoda.v1.GetModelInfoRequest\x1a\x1f.pagoda.v1.GetModelInfoResponse\x12\x43\n\x08GetStats\x12\x1a.pagoda.v1.GetStatsRequest\x1a\x1b.pagoda.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagoda/v1/generation.proto\x12\tpagoda.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\"\xe8\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\t \x01(\rH\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x04\n\x02_n\"\x9c\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokens\"\xc2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.pagoda.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x06 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x08\n\x06promptB\x0f\n\r_top_logprobs\"\xc8\x02\n\x15GenerateStreamRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.pagoda.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.pagoda.v1.SamplingParams\x12-\n\x08stopping\x18\x06 \x01(\x0b\x32\x1b.pagoda.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x08\n\x06promptB\x0f\n\r_top_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12+\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x15.pagoda.v1.TopLogprob\"\x93\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12\"\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x11.pagoda.v1.Choice\"\xd8\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x15\n\x13GetModelInfoRequest\"\x91\x01\n\x0cServerLimits\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\r\x12\x15\n\rmax_queue_len\x18\x03 \x01(\r\x12\x1a\n\x12\x64\x65\x66\x61ult_max_tokens\x18\x04 \x01(\r\x12\x18\n\x10max_top_logprobs\x18\x05 \x01(\r\"\xe4\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\'\n\x06limits\x18\t \x01(\x0b\x32\x17.pagoda.v1.ServerLimits\"\x11\n\x0fGetStatsRequest\"\xc8\x02\n\x10GetStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x1f\n\x17prompt_tokens_processed\x18\x06 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x16\n\x0euptime_seconds\x18\t \x01(\x01\x12\x18\n\x10kv_blocks_cached\x18\n \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0c \x01(\x01*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x32\x8c\x03\n\x11GenerationService\x12\x43\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12 .pagoda.v1.GenerateStreamRequest\x1a!.pagoda.v1.GenerateStreamResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.pagoda.v1.TokenizeRequest\x1a\x1b.pagoda.v1.TokenizeResponse\x12O\n\x0cGetModelInfo\x12\x1e.pagoda.v1.GetModelInfoRequest\x1a\x1f.pagoda.v1.GetModelInfoResponse\x12\x43\n\x08GetStats\x12\x1a.pagoda.v1.GetStatsRequest\x1a\x1b.pagoda.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagoda.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2700
-  _globals['_FINISHREASON']._serialized_end=2882
+  _globals['_FINISHREASON']._serialized_start=3010
+  _globals['_FINISHREASON']._serialized_end=3192
   _globals['_TOKENIDS']._serialized_start=41
   _globals['_TOKENIDS']._serialized_end=64
   _globals['_CHATMESSAGE']._serialized_start=66
@@ -40,37 +40,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=112
   _globals['_CHATMESSAGES']._serialized_end=168
   _globals['_SAMPLINGPARAMS']._serialized_start=171
-  _globals['_SAMPLINGPARAMS']._serialized_end=509
-  _globals['_STOPPINGCRITERIA']._serialized_start=512
-  _globals['_STOPPINGCRITERIA']._serialized_end=668
-  _globals['_GENERATEREQUEST']._serialized_start=671
-  _globals['_GENERATEREQUEST']._serialized_end=993
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=996
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1324
-  _globals['_USAGE']._serialized_start=1326
-  _globals['_USAGE']._serialized_end=1413
-  _globals['_TOPLOGPROB']._serialized_start=1415
-  _globals['_TOPLOGPROB']._serialized_end=1462
-  _globals['_TOKENLOGPROB']._serialized_start=1464
-  _globals['_TOKENLOGPROB']._serialized_end=1558
-  _globals['_GENERATERESPONSE']._serialized_start=1561
-  _globals['_GENERATERESPONSE']._serialized_end=1756
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1759
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1960
-  _globals['_TOKENIZEREQUEST']._serialized_start=1962
-  _globals['_TOKENIZEREQUEST']._serialized_end=1993
-  _globals['_TOKENIZERESPONSE']._serialized_start=1995
-  _globals['_TOKENIZERESPONSE']._serialized_end=2032
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2034
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2055
-  _globals['_SERVERLIMITS']._serialized_start=2058
-  _globals['_SERVERLIMITS']._serialized_end=2203
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2206
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2434
-  _globals['_GETSTATSREQUEST']._serialized_start=2436
-  _globals['_GETSTATSREQUEST']._serialized_end=2453
-  _globals['_GETSTATSRESPONSE']._serialized_start=2456
-  _globals['_GETSTATSRESPONSE']._serialized_end=2697
-  _globals['_GENERATIONSERVICE']._serialized_start=2885
-  _globals['_GENERATIONSERVICE']._serialized_end=3281
+  _globals['_SAMPLINGPARAMS']._serialized_end=531
+  _globals['_STOPPINGCRITERIA']._serialized_start=534
+  _globals['_STOPPINGCRITERIA']._serialized_end=690
+  _globals['_GENERATEREQUEST']._serialized_start=693
+  _globals['_GENERATEREQUEST']._serialized_end=1015
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1018
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1346
+  _globals['_USAGE']._serialized_start=1348
+  _globals['_USAGE']._serialized_end=1435
+  _globals['_TOPLOGPROB']._serialized_start=1437
+  _globals['_TOPLOGPROB']._serialized_end=1484
+  _globals['_TOKENLOGPROB']._serialized_start=1486
+  _globals['_TOKENLOGPROB']._serialized_end=1580
+  _globals['_CHOICE']._serialized_start=1583
+  _globals['_CHOICE']._serialized_end=1730
+  _globals['_GENERATERESPONSE']._serialized_start=1733
+  _globals['_GENERATERESPONSE']._serialized_end=1964
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1967
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2183
+  _globals['_TOKENIZEREQUEST']._serialized_start=2185
+  _globals['_TOKENIZEREQUEST']._serialized_end=2216
+  _globals['_TOKENIZERESPONSE']._serialized_start=2218
+  _globals['_TOKENIZERESPONSE']._serialized_end=2255
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2257
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2278
+  _globals['_SERVERLIMITS']._serialized_start=2281
+  _globals['_SERVERLIMITS']._serialized_end=2426
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2429
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2657
+  _globals['_GETSTATSREQUEST']._serialized_start=2659
+  _globals['_GETSTATSREQUEST']._serialized_end=2676
+  _globals['_GETSTATSRESPONSE']._serialized_start=2679
+  _globals['_GETSTATSRESPONSE']._serialized_end=3007
+  _globals['_GENERATIONSERVICE']._serialized_start=3195
+  _globals['_GENERATIONSERVICE']._serialized_end=3591
 # @@protoc_insertion_point(module_scope)
