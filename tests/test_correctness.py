@@ -74,3 +74,18 @@ def test_sharded_checkpoint_loads(tmp_path):
     a = LLM(path, num_kv_blocks=32).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
     b = LLM(str(sharded), num_kv_blocks=32).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
     assert a[0].token_ids == b[0].token_ids
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_matches_transformers_with_triton_attention(checkpoint, family):
+    """The Triton kernels (interpreted on CPU) behind the same model: same tokens as transformers,
+    through prefill, chunked prefill with a cached context, and decode."""
+    path = checkpoint(family)
+    llm = LLM(path, num_kv_blocks=32, attention_backend="triton", max_num_batched_tokens=24, max_model_len=128)
+    assert llm.engine.runner.model is not None and all(
+        m.backend.__name__.endswith("triton_attention") for m in llm.engine.model.modules()
+        if type(m).__name__ == "Attention")
+    prompts = _prompts(llm.engine.hf_config.vocab_size)[:4]  # 1, 15, 16, 17 tokens
+    prompts.append(_prompts(llm.engine.hf_config.vocab_size)[6])  # 33: chunked by the 24-token budget
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    assert [o.token_ids for o in outs] == _reference(path, prompts, max_new=6)
