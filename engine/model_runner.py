@@ -76,6 +76,7 @@ class ModelRunner:
             prefill_context_lens=t(ends[num_decodes:], torch.int32),
             max_query_len=int(counts_np.max()),
             max_context_len=int(ends.max()),
+            decode_groups=_decode_groups(ends[:num_decodes], bs),
         )
         return t(input_ids, torch.int64), t(positions, torch.int64), meta, t(logits_idx, torch.int64)
 
@@ -135,6 +136,16 @@ class ModelRunner:
             repetition=torch.tensor([p.repetition_penalty for p in ps], device=dev),
             presence=torch.tensor([p.presence_penalty for p in ps], device=dev),
             frequency=torch.tensor([p.frequency_penalty for p in ps], device=dev))
+
+
+def _decode_groups(context_lens: np.ndarray, block_size: int, num_groups: int = 4):
+    """Split decode rows (sorted longest first) into up to num_groups runs of equal count, each
+    with the block-table width its longest row needs."""
+    n = len(context_lens)
+    if n < 4 * num_groups:
+        return ()
+    bounds = np.linspace(0, n, num_groups + 1).astype(int)
+    return tuple((int(a), int(b), -(-int(context_lens[a]) // block_size)) for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def _logprob_lists(lp, tokens: torch.Tensor, seqs: list[Sequence]):

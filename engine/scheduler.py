@@ -50,7 +50,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         self._schedule_waiting(out, budget)
-        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] != 1)
+        # single-token queries first, longest context first (lets attention group similar lengths)
+        order = sorted(range(len(out.seqs)), key=lambda i: (out.num_new_tokens[i] != 1, -out.seqs[i].num_tokens))
         out.seqs = [out.seqs[i] for i in order]
         out.num_new_tokens = [out.num_new_tokens[i] for i in order]
         return out

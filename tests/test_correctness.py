@@ -89,3 +89,13 @@ def test_greedy_matches_transformers_with_triton_attention(checkpoint, family):
     prompts.append(_prompts(llm.engine.hf_config.vocab_size)[6])  # 33: chunked by the 24-token budget
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     assert [o.token_ids for o in outs] == _reference(path, prompts, max_new=6)
+
+
+def test_greedy_matches_with_many_sequences_of_mixed_lengths(checkpoint):
+    """Enough concurrent decodes that the torch path splits them into length groups."""
+    path = checkpoint("llama")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 90))] for _ in range(24)]
+    llm = LLM(path, num_kv_blocks=256)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == _reference(path, prompts)

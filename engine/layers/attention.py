@@ -22,6 +22,9 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # [num_prefills] int32
     max_query_len: int
     max_context_len: int
+    # (start, end, num_blocks): runs of decode sequences of similar length (sorted longest first),
+    # so the torch path pads each run to its own longest context rather than the batch's
+    decode_groups: tuple[tuple[int, int, int], ...] = ()
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -36,8 +39,9 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     # -> [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]; padded entries read block 0
-    blocks = cache[block_tables.clamp(min=0).long()]
-    return blocks.flatten(1, 2)
+    num_seqs = block_tables.shape[0]
+    blocks = cache.index_select(0, block_tables.clamp(min=0).flatten().long())  # faster than cache[tables]
+    return blocks.view(num_seqs, -1, *cache.shape[2:])
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -86,13 +90,14 @@ class Attention(nn.Module):
         b = self.backend
         b.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
-        if nd == q.shape[0]:
-            return b.decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                      meta.decode_context_lens, self.scale)
         out = torch.empty_like(q)
-        if nd:
-            out[:nd] = b.decode_attention(q[:nd], self.k_cache, self.v_cache, meta.decode_block_tables,
-                                          meta.decode_context_lens, self.scale)
+        groups = meta.decode_groups if b is TORCH_BACKEND and meta.decode_groups else ((0, nd, None),)
+        for start, end, width in groups if nd else ():
+            out[start:end] = b.decode_attention(q[start:end], self.k_cache, self.v_cache,
+                                                meta.decode_block_tables[start:end, :width],
+                                                meta.decode_context_lens[start:end], self.scale)
+        if nd == q.shape[0]:
+            return out
         out[nd:] = b.prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables,
                                        meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
                                        meta.max_query_len)
