@@ -16,7 +16,7 @@ Pure Python over integers: no tensors here.
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine.sequence import Sequence
+from engine.sequence import BlockTable, Sequence
 
 
 @dataclass
@@ -152,7 +152,7 @@ class BlockManager:
         for h in seq.block_hashes[seq.num_registered_blocks:]:
             if self.in_flight.get(h) is seq:
                 del self.in_flight[h]
-        seq.block_table = []
+        seq.block_table = BlockTable()
         seq.num_registered_blocks = 0
         self._num_slots.pop(seq.req_id, None)
 

@@ -31,6 +31,15 @@ class FinishReason(Enum):
 _arrival = itertools.count()
 
 
+class BlockTable(list):
+    """A sequence's logical-to-physical block map: entry i is the physical block holding its
+    tokens i * block_size .. (i + 1) * block_size - 1."""
+
+    def slot(self, position: int, block_size: int) -> int:
+        """The KV cache slot of the token at `position`."""
+        return self[position // block_size] * block_size + position % block_size
+
+
 class Sequence:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, prompt: str | None = None, priority: int = 0,
@@ -51,7 +60,7 @@ class Sequence:
         self.error: str | None = None  # why, when finish_reason is ERROR
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache
-        self.block_table: list[int] = []  # logical block i -> physical block number
+        self.block_table = BlockTable()
         self.block_hashes: list[int] = []  # chained content hashes of full blocks of token_ids (a memo)
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
         self.logprobs: list = []

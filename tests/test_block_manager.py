@@ -26,6 +26,7 @@ def test_allocate_append_free_exact_ids():
     assert a.block_table == [0, 1]
     bm.append(a, 9)
     assert a.block_table == [0, 1, 3]
+    assert a.block_table.slot(8, 4) == 12 and a.block_table.slot(5, 4) == 5
     s = bm.stats()
     assert (s.num_total_blocks, s.num_free_blocks, s.num_used_blocks) == (6, 2, 4)
     assert s.num_wasted_slots == 4 * 4 - (9 + 4)
