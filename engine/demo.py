@@ -12,7 +12,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 DEMO_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=2048)
-_DEMO_VERSION = "1"
+_DEMO_VERSION = "2"
 
 
 def build_byte_tokenizer(vocab_size: int | None = None):
@@ -54,8 +54,11 @@ def _byte_of(char: str) -> int:
     return table[char]
 
 
-def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
-    """Write a small random checkpoint with transformers' own model class, in safetensors."""
+def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printable_output: bool = False,
+                          **overrides) -> str:
+    """Write a small random checkpoint with transformers' own model class, in safetensors.
+    printable_output zeroes the output rows of every token but printable ASCII bytes and scales
+    those up, so the random model babbles in readable characters (needs untied embeddings)."""
     import torch
     import transformers as tf
 
@@ -77,6 +80,14 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overr
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if printable_output:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[[tokenizer.convert_tokens_to_ids(c) for c in map(chr, range(33, 127))]] = True
+        keep[tokenizer.convert_tokens_to_ids("\u0120")] = True  # the byte-level space
+        with torch.no_grad():
+            head = model.get_output_embeddings().weight
+            head[~keep] = 0
+            head[keep] *= 20
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
@@ -91,7 +102,8 @@ def demo_model_path() -> str:
         return path
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=".demo-")
-    build_tiny_checkpoint(tmp, "llama", seed=0, initializer_range=0.05, **DEMO_CONFIG)
+    build_tiny_checkpoint(tmp, "llama", seed=0, initializer_range=0.05, printable_output=True,
+                          tie_word_embeddings=False, **DEMO_CONFIG)
     try:
         os.rename(tmp, path)  # atomic: a concurrent builder's copy wins, ours is dropped
     except OSError:
