@@ -22,6 +22,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier identical prefixes
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are used on CUDA otherwise)
     max_queue_len: int = 1024  # waiting requests beyond this are refused (QueueFullError)
 
     def __post_init__(self):
@@ -41,8 +42,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

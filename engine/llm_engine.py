@@ -41,6 +41,11 @@ class LLMEngine:
         backend = _attention_backend(self.config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.config.num_kv_blocks, self.config.block_size, self.dtype,
                                   self.device, self.config.seed, self.hf_config.vocab_size, backend)
+        if self.device.type == "cuda":
+            self.runner.warmup(min(self.config.max_num_batched_tokens, 512))
+            # graphs pad batches with slot -1 rows, which only the Triton cache write skips
+            if not self.config.enforce_eager and backend is not None:
+                self.runner.use_cuda_graphs(min(self.config.max_num_seqs, 256), self.config.max_model_len)
         self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,

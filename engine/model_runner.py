@@ -2,6 +2,7 @@
 import numpy as np
 import torch
 
+from engine.cuda_graphs import DecodeGraphs, capture_checked
 from engine.layers.attention import Attention, AttentionMetadata
 from engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from engine.scheduler import SchedulerOutput
@@ -12,6 +13,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_kv_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, seed: int, vocab_size: int, attention_backend=None):
         self.model, self.device, self.block_size, self.vocab_size = model, device, block_size, vocab_size
+        self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
         self.sampler = Sampler(seed, device)
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         kvh, hd = layers[0].num_kv_heads, layers[0].head_dim
@@ -28,14 +30,48 @@ class ModelRunner:
         per_token = 2 * sum(m.num_kv_heads * m.head_dim for m in layers)
         return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
+    def use_cuda_graphs(self, max_batch: int, max_model_len: int) -> bool:
+        """Capture decode graphs (CUDA); False, with a warning, if they could not be used."""
+        max_blocks = -(-max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.block_size, self.device)
+        if not capture_checked(self.decode_graphs, self._eager_logits):
+            self.decode_graphs = None
+        return self.decode_graphs is not None
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int) -> None:
+        """One prefill of num_tokens tokens on scratch blocks, so that the first request does not
+        pay for kernel compilation. The blocks are free again afterwards (their KV is overwritten
+        before it is ever read)."""
+        n = min(num_tokens, self.kv_cache.shape[2] * self.block_size)
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        blocks = torch.arange(-(-n // self.block_size), dtype=torch.int32, device=self.device)[None, :]
+        empty = blocks[0, :0]
+        meta = AttentionMetadata(
+            slot_mapping=pos.clone(), num_decode_tokens=0, decode_block_tables=blocks[:0],
+            decode_context_lens=empty, prefill_block_tables=blocks,
+            prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            prefill_context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            max_query_len=n, max_context_len=n)
+        self._eager_logits(ids, pos, meta, pos[-1:])
+
+    def _eager_logits(self, input_ids, positions, meta, logits_idx=None):
+        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])  # [num_sampled, vocab]
+
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> tuple[list[int], list | None]:
         input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
-        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
         sample_seqs = [s for i, s in enumerate(sched.seqs) if sched.samples(i)]
+        graphs = self.decode_graphs
         if not sample_seqs:
+            self.model(input_ids, positions, meta)  # prefill chunks only: nothing to sample
             return [], None
-        logits = self.model.compute_logits(hidden[logits_idx])  # [num_sampled, vocab]
+        if graphs is not None and meta.num_decode_tokens == len(sched.seqs) <= graphs.max_batch:
+            logits = graphs.run(input_ids, positions, meta)[logits_idx]  # a decode row per sequence
+        else:
+            logits = self._eager_logits(input_ids, positions, meta, logits_idx)
         tensors = self._sampling_tensors(sample_seqs)
         tokens, lp = self.sampler(logits, tensors)
         if lp is None:

@@ -99,3 +99,21 @@ def test_greedy_matches_with_many_sequences_of_mixed_lengths(checkpoint):
     llm = LLM(path, num_kv_blocks=256)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == _reference(path, prompts)
+
+
+def test_padded_decode_path_of_cuda_graphs(checkpoint):
+    """The decode-graph path (persistent buffers, batches padded to a bucket) run eagerly on CPU:
+    same tokens as transformers. On CUDA the same path is captured and replayed."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    path = checkpoint("qwen3")
+    llm = LLM(path, num_kv_blocks=64, max_model_len=256)
+    runner = llm.engine.runner
+    runner.decode_graphs = DecodeGraphs(runner.model, 16, 256 // 16, 16, runner.device)  # buckets 1,2,4,8,16
+    calls = []
+    run = runner.decode_graphs.run
+    runner.decode_graphs.run = lambda *a: calls.append(a[0].shape[0]) or run(*a)
+    prompts = _prompts(llm.engine.hf_config.vocab_size)[:5]  # 5 decodes: padded to the 8 bucket
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == _reference(path, prompts)
+    assert calls and max(calls) == 5

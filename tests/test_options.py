@@ -11,7 +11,8 @@ from engine.errors import InvalidRequestError
 @pytest.mark.parametrize("option,value", [("block_size", 0), ("block_size", 12), ("max_num_seqs", 0),
                                           ("max_num_batched_tokens", -1), ("num_kv_blocks", 0),
                                           ("dtype", "float64"), ("attention_backend", "cuda"),
-                                          ("gpu_memory_utilization", 1.5), ("max_model_len", 0)])
+                                          ("gpu_memory_utilization", 1.5), ("max_model_len", 0),
+                                          ("enforce_eager", "yes"), ("enable_prefix_caching", 1)])
 def test_bad_engine_option_names_it(option, value):
     with pytest.raises(ValueError, match=option):
         EngineConfig(**{option: value})
