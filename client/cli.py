@@ -4,6 +4,7 @@
     pagoda generate "Hello" [--stream] [sampling flags]      one completion from a server
     pagoda chat                                             an interactive, streamed conversation
     pagoda tokenize "Hello"  |  pagoda info  |  pagoda stats
+    pagoda health [--service NAME]                          grpc.health.v1 check: exit 0 only when SERVING
     pagoda offline "Hello"                                  generate in this process, without a server
 
 Heavy imports (torch, grpc, the engine) happen inside the subcommands so `pagoda --help` stays fast.
@@ -36,10 +37,41 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     add_serve_args(p)
 
 
-def _add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=os.environ.get("PAGODA_TARGET", "localhost:50051"),
-                   help="server address host:port (default: localhost:50051) [env PAGODA_TARGET]")
-    p.add_argument("--timeout", type=float, default=None, help="deadline of each call in seconds (default: none)")
+def _default_target() -> str:
+    """PAGODA_TARGET, else localhost on PAGODA_PORT (so a container's HEALTHCHECK follows its port)."""
+    port = os.environ.get("PAGODA_PORT") or "50051"
+    return os.environ.get("PAGODA_TARGET") or f"localhost:{port if port != '0' else '50051'}"
+
+
+def _add_target(p: argparse.ArgumentParser, timeout: float | None = None) -> None:
+    env = os.environ.get
+    p.add_argument("--target", default=_default_target(),
+                   help="server address host:port (default: localhost:50051, or localhost:$PAGODA_PORT) "
+                        "[env PAGODA_TARGET]")
+    p.add_argument("--timeout", type=float, default=timeout,
+                   help=f"deadline of each call in seconds (default: {timeout if timeout else 'none'})")
+    g = p.add_argument_group("security")
+    g.add_argument("--api-key", default=env("PAGODA_API_KEY"),
+                   help="send 'authorization: Bearer KEY' [env PAGODA_API_KEY]")
+    g.add_argument("--tls", action="store_true", default=env("PAGODA_TLS", "").lower() not in ("", "0", "false", "no"),
+                   help="connect with TLS, trusting the system's CAs [env PAGODA_TLS=1]")
+    g.add_argument("--tls-ca", default=env("PAGODA_TLS_CA"),
+                   help="connect with TLS, trusting this PEM CA bundle (e.g. a self-signed server's "
+                        "certificate) [env PAGODA_TLS_CA]")
+    g.add_argument("--tls-client-cert", default=env("PAGODA_TLS_CLIENT_CERT"),
+                   help="PEM client certificate, for mutual TLS [env PAGODA_TLS_CLIENT_CERT]")
+    g.add_argument("--tls-client-key", default=env("PAGODA_TLS_CLIENT_KEY"),
+                   help="PEM key of --tls-client-cert [env PAGODA_TLS_CLIENT_KEY]")
+    g.add_argument("--tls-server-name", default=env("PAGODA_TLS_SERVER_NAME"),
+                   help="check the server's certificate against this name instead of the target's host "
+                        "[env PAGODA_TLS_SERVER_NAME]")
+
+
+def _client(args: argparse.Namespace):
+    from client.client import Client
+
+    return Client(args.target, timeout=args.timeout, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca,
+                  tls_cert=args.tls_client_cert, tls_key=args.tls_client_key, tls_server_name=args.tls_server_name)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -77,6 +109,9 @@ def _rpc_errors(fn):
         except grpc.RpcError as e:
             print(f"pagoda: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+        except (OSError, ValueError) as e:  # an unreadable PEM file, a cert without its key
+            print(f"pagoda: {e}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             return 130
     return wrapped
@@ -92,9 +127,10 @@ def _as_dict(msg) -> dict:
         value = getattr(msg, f.name)
         if f.message_type is not None:
             value = [_as_dict(v) for v in value] if f.is_repeated else _as_dict(value)
-        elif f.enum_type is not None:
-            name = f.enum_type.values_by_number[value].name if not f.is_repeated else None
-            value = name if name is not None else [f.enum_type.values_by_number[v].name for v in value]
+        elif f.enum_type is not None:  # a value this client does not know (a newer server): its number
+            known = f.enum_type.values_by_number
+            name = lambda v: known[v].name if v in known else v  # noqa: E731
+            value = [name(v) for v in value] if f.is_repeated else name(value)
         elif f.is_repeated:
             value = list(value)
         out[f.name] = value
@@ -110,12 +146,10 @@ def _print_json(msg, lines: bool = False) -> None:
 
 @_rpc_errors
 def _generate(args: argparse.Namespace) -> int:
-    from client.client import Client
-
     kw = _sampling_kwargs(args)
     kw.update(logprobs=args.logprobs, top_logprobs=args.top_logprobs)
     prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
-    with Client(args.target, timeout=args.timeout) as c:
+    with _client(args) as c:
         if args.json:
             if args.stream:
                 for msg in c.generate_stream(prompt, **kw):
@@ -144,14 +178,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 @_rpc_errors
 def _chat(args: argparse.Namespace) -> int:
-    from client.client import Client
-
     kw = _sampling_kwargs(args)
     messages = [("system", args.system)] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
         print("pagoda chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
-    with Client(args.target, timeout=args.timeout) as c:
+    with _client(args) as c:
         while True:
             if interactive:
                 sys.stderr.write("> ")
@@ -176,29 +208,40 @@ def _chat(args: argparse.Namespace) -> int:
 
 @_rpc_errors
 def _tokenize(args: argparse.Namespace) -> int:
-    from client.client import Client
-
-    with Client(args.target, timeout=args.timeout) as c:
+    with _client(args) as c:
         print(" ".join(str(t) for t in c.tokenize(args.text)))
     return 0
 
 
 @_rpc_errors
 def _info(args: argparse.Namespace) -> int:
-    from client.client import Client
-
-    with Client(args.target, timeout=args.timeout) as c:
+    with _client(args) as c:
         _print_json(c.model_info())
     return 0
 
 
 @_rpc_errors
 def _stats(args: argparse.Namespace) -> int:
-    from client.client import Client
-
-    with Client(args.target, timeout=args.timeout) as c:
+    with _client(args) as c:
         _print_json(c.stats())
     return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    """grpc.health.v1 Check; prints the status; exit 0 only when SERVING (a container HEALTHCHECK)."""
+    import grpc
+
+    try:
+        with _client(args) as c:
+            status = c.health(args.service)
+    except grpc.RpcError as e:
+        print(f"pagoda: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"pagoda: {e}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="print the server's load and KV cache occupancy (JSON)")
     _add_target(p)
     p.set_defaults(func=_stats)
+
+    p = sub.add_parser("health", help="check the server's health (grpc.health.v1); exit 0 only when SERVING")
+    p.add_argument("--service", default="", help='service name (default: "", the whole server)')
+    _add_target(p, timeout=5.0)
+    p.set_defaults(func=_health)
 
     p = sub.add_parser("offline", help="generate in this process, without a server")
     p.add_argument("prompt")

@@ -8,6 +8,11 @@
 
 The methods return the generated protobuf messages (pagoda.v1.generation_pb2); failures raise
 grpc.RpcError (grpc.aio.AioRpcError for AsyncClient) with the server's status code and message.
+
+Security: `api_key=` sends `authorization: Bearer <key>` with every call; `tls_ca=` (PEM file of
+the CA that signed the server's certificate; or `tls=True` for the system roots) makes the channel
+TLS, `tls_cert=`/`tls_key=` add a client certificate (mutual TLS), `tls_server_name=` checks the
+server's certificate against that name instead of the target's host.
 """
 from __future__ import annotations
 
@@ -70,15 +75,60 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
     return req
 
 
-class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of each call; None: no deadline."""
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
-                 channel: grpc.Channel | None = None):
-        self.channel = channel or grpc.insecure_channel(target)
+
+def make_channel(target: str = DEFAULT_TARGET, *, aio: bool = False, tls: bool = False, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
+                 options: Sequence[tuple[str, object]] = ()):
+    """A plaintext channel, or a TLS one when tls / tls_ca / tls_cert is given (PEM file paths)."""
+    options = list(options)
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("a client certificate needs both tls_cert and tls_key")
+    if not (tls or tls_ca or tls_cert):
+        return grpc.aio.insecure_channel(target, options=options) if aio else grpc.insecure_channel(target, options)
+    creds = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
+                                         certificate_chain=_read(tls_cert))
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return (grpc.aio.secure_channel(target, creds, options=options) if aio
+            else grpc.secure_channel(target, creds, options))
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+class _Base:
+    def __init__(self, target: str, timeout: float | None, channel, api_key: str | None, aio: bool, **tls):
+        self.channel = channel or make_channel(target, aio=aio, **tls)
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout
+        self._auth = auth_metadata(api_key)
+
+    def _t(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    def _md(self, metadata=None):
+        """Per-call metadata: the API key, plus the caller's (e.g. ("x-request-id", "abc"))."""
+        md = self._auth + tuple(metadata or ())
+        return md or None
+
+
+class Client(_Base):
+    """Blocking client. `timeout` (seconds) is the default deadline of each call; None: no deadline."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+                 channel: grpc.Channel | None = None, *, api_key: str | None = None, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None, options: Sequence[tuple[str, object]] = ()):
+        super().__init__(target, timeout, channel, api_key, False, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+                         tls_key=tls_key, tls_server_name=tls_server_name, options=options)
 
     def __enter__(self):
         return self
@@ -89,29 +139,30 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def _t(self, timeout):
-        return self.timeout if timeout is None else timeout
-
-    def generate(self, prompt=None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+    def generate(self, prompt=None, *, timeout: float | None = None, metadata=None, **kw) -> pb.GenerateResponse:
         """The whole completion; keyword arguments as build_request."""
-        return self.stub.Generate(build_request(prompt, **kw), timeout=self._t(timeout))
+        return self.stub.Generate(build_request(prompt, **kw), timeout=self._t(timeout), metadata=self._md(metadata))
 
-    def generate_stream(self, prompt=None, *, timeout: float | None = None, **kw) -> Iterator[pb.GenerateStreamResponse]:
+    def generate_stream(self, prompt=None, *, timeout: float | None = None, metadata=None,
+                        **kw) -> Iterator[pb.GenerateStreamResponse]:
         """The completion as it is produced. The returned iterator is also a grpc.Call: .cancel() stops it."""
-        return self.stub.GenerateStream(build_request(prompt, stream=True, **kw), timeout=self._t(timeout))
+        return self.stub.GenerateStream(build_request(prompt, stream=True, **kw), timeout=self._t(timeout),
+                                        metadata=self._md(metadata))
 
     def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self._t(timeout)).token_ids)
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self._t(timeout),
+                                       metadata=self._md()).token_ids)
 
     def model_info(self, *, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout), metadata=self._md())
 
     def stats(self, *, timeout: float | None = None) -> pb.GetStatsResponse:
-        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self._t(timeout))
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self._t(timeout), metadata=self._md())
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """"SERVING", "NOT_SERVING", ... (grpc.health.v1) for the whole server ("") or a service."""
-        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout) or 5)
+        resp = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout) or 5,
+                                      metadata=self._md())
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -128,15 +179,15 @@ class Client:
             time.sleep(0.1)
 
 
-class AsyncClient:
+class AsyncClient(_Base):
     """asyncio client; same methods as Client, awaitable (generate_stream is an async iterator)."""
 
     def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
-                 channel: grpc.aio.Channel | None = None):
-        self.channel = channel or grpc.aio.insecure_channel(target)
-        self.stub = pb_grpc.GenerationServiceStub(self.channel)
-        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.timeout = timeout
+                 channel: grpc.aio.Channel | None = None, *, api_key: str | None = None, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None, options: Sequence[tuple[str, object]] = ()):
+        super().__init__(target, timeout, channel, api_key, True, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
+                         tls_key=tls_key, tls_server_name=tls_server_name, options=options)
 
     async def __aenter__(self):
         return self
@@ -147,15 +198,15 @@ class AsyncClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    def _t(self, timeout):
-        return self.timeout if timeout is None else timeout
+    async def generate(self, prompt=None, *, timeout: float | None = None, metadata=None,
+                       **kw) -> pb.GenerateResponse:
+        return await self.stub.Generate(build_request(prompt, **kw), timeout=self._t(timeout),
+                                        metadata=self._md(metadata))
 
-    async def generate(self, prompt=None, *, timeout: float | None = None, **kw) -> pb.GenerateResponse:
-        return await self.stub.Generate(build_request(prompt, **kw), timeout=self._t(timeout))
-
-    async def generate_stream(self, prompt=None, *, timeout: float | None = None,
+    async def generate_stream(self, prompt=None, *, timeout: float | None = None, metadata=None,
                               **kw) -> AsyncIterator[pb.GenerateStreamResponse]:
-        call = self.stub.GenerateStream(build_request(prompt, stream=True, **kw), timeout=self._t(timeout))
+        call = self.stub.GenerateStream(build_request(prompt, stream=True, **kw), timeout=self._t(timeout),
+                                        metadata=self._md(metadata))
         try:
             async for msg in call:
                 yield msg
@@ -163,18 +214,18 @@ class AsyncClient:
             call.cancel()  # no-op once the call has finished; stops the server's work if we left early
 
     async def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
-        resp = await self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self._t(timeout))
+        resp = await self.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self._t(timeout), metadata=self._md())
         return list(resp.token_ids)
 
     async def model_info(self, *, timeout: float | None = None) -> pb.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout))
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._t(timeout), metadata=self._md())
 
     async def stats(self, *, timeout: float | None = None) -> pb.GetStatsResponse:
-        return await self.stub.GetStats(pb.GetStatsRequest(), timeout=self._t(timeout))
+        return await self.stub.GetStats(pb.GetStatsRequest(), timeout=self._t(timeout), metadata=self._md())
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service),
-                                            timeout=self._t(timeout) or 5)
+                                            timeout=self._t(timeout) or 5, metadata=self._md())
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 

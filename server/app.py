@@ -1,4 +1,5 @@
-"""PagodaServer: the grpc.aio server around one AsyncEngine, with grpc.health.v1 and reflection.
+"""PagodaServer: the grpc.aio server around one AsyncEngine, with grpc.health.v1 and reflection,
+optional TLS / mutual TLS, bearer-token auth (server/auth.py) and Prometheus metrics (server/metrics.py).
 
 Start-up: listen at once with health NOT_SERVING, build the engine in a thread, then SERVING.
 drain(): health NOT_SERVING, new calls UNAVAILABLE, in-flight calls get a grace period, then stop.
@@ -13,8 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagoda.v1 import generation_pb2_grpc as pb_grpc
-from server.servicer import DRAINING, SERVING, SERVICE_NAME, GenerationServicer, ServerState
+from server.options import ServerOptions
+from server.servicer import DRAINING, SERVING, SERVICE_NAME, GenerationServicer, ServerState, add_servicer_to_server
 
 log = logging.getLogger("pagoda.server")
 
@@ -46,15 +47,21 @@ class PagodaServer:
     """The gRPC server around one engine. `engine_factory()` builds an AsyncEngine (not started); it
     runs in a thread while the server already answers health checks."""
 
-    def __init__(self, engine_factory, host: str = "[::]", port: int = DEFAULT_PORT):
+    def __init__(self, engine_factory, host: str = "[::]", port: int = DEFAULT_PORT,
+                 options: ServerOptions | None = None):
+        from server.auth import ApiKeyInterceptor
+        from server.metrics import Metrics
+
         self.engine_factory = engine_factory
         self.address = f"{host}:{port}"
-        self.state = ServerState()
+        self.options = options = options or ServerOptions()
+        self.state = ServerState(options)
+        self.metrics = self.state.metrics = Metrics(self.state)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=[
-            ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
-        ])
+        interceptors = [ApiKeyInterceptor(options.api_key, self.metrics)] if options.api_key else []
+        self.server = grpc.aio.server(options=options.grpc_options(), interceptors=interceptors)
         self.port: int | None = None
+        self.metrics_port: int | None = None
         self.ready = asyncio.Event()
         self.load_error: BaseException | None = None
         self._load_task: asyncio.Task | None = None
@@ -65,17 +72,44 @@ class PagodaServer:
 
     async def start(self) -> int:
         """Listens (health NOT_SERVING) and starts loading the engine; returns the bound port."""
+        credentials = self._credentials()  # reads the PEM files: a missing one fails before listening
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self.state), self.server)
+        add_servicer_to_server(GenerationServicer(self.state), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server)
-        self.port = self.server.add_insecure_port(self.address)  # raises RuntimeError if it cannot bind
+        # add_*_port raise RuntimeError if they cannot bind
+        if credentials is None:
+            self.port = self.server.add_insecure_port(self.address)
+        else:
+            self.port = self.server.add_secure_port(self.address, credentials)
+        if self.options.metrics_port:
+            self.metrics_port = self.metrics.start_http(self.options.metrics_port, self.options.metrics_host)
+            log.info("metrics on http://%s:%d/metrics", self.options.metrics_host, self.metrics_port)
         await self.server.start()
-        log.info("listening on %s (port %d); loading the model", self.address, self.port)
+        o = self.options
+        security = ("mutual TLS" if o.tls_client_ca else "TLS") if credentials is not None else "plaintext"
+        log.info("listening on %s (port %d); %s%s; loading the model", self.address, self.port, security,
+                 ", API key required" if o.api_key else "")
         self._load_task = asyncio.create_task(self._load())
         return self.port
+
+    def _credentials(self):
+        o = self.options
+        if not o.tls_cert:
+            return None
+
+        def read(path: str, what: str) -> bytes:
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            except OSError as e:
+                raise ValueError(f"cannot read the {what} {path!r}: {e.strerror}") from e
+
+        key, cert = read(o.tls_key, "TLS key (--tls-key)"), read(o.tls_cert, "TLS certificate (--tls-cert)")
+        ca = read(o.tls_client_ca, "client CA (--tls-client-ca)") if o.tls_client_ca else None
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
     async def _load(self) -> None:
         try:
@@ -112,7 +146,16 @@ class PagodaServer:
         except asyncio.TimeoutError:
             log.warning("grace period over with %d call(s) still in flight; cancelling them", self.state.inflight)
         await self.server.stop(grace=0.5)
+        self.metrics.stop_http()
         engine = self.state.engine
         if engine is not None:
+            # Calls cancelled at the end of the grace period abort their requests; let the engine's
+            # loop free their blocks (a step or two) before it stops.
+            deadline = asyncio.get_running_loop().time() + 2.0
+            while asyncio.get_running_loop().time() < deadline:
+                s = engine.stats()
+                if not s.num_running and not s.num_waiting:
+                    break
+                await asyncio.sleep(0.01)
             await asyncio.to_thread(engine.shutdown)
         log.info("stopped")

@@ -14,7 +14,9 @@ from pagoda.v1 import generation_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 256  # when the request leaves stopping.max_tokens unset (capped by the context)
 MAX_REQUEST_ID_LEN = 256
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16  # default of --max-stop-strings
+MAX_STOP_STRING_LEN = 256  # default of --max-stop-string-len (characters)
+MAX_STOP_TOKEN_IDS = 64  # default of --max-stop-token-ids
 MAX_SEED = 2**63 - 1
 MAX_N = 64  # engine.sampling_params.MAX_N
 MAX_TOP_LOGPROBS = 20  # engine.sampling_params.MAX_TOP_LOGPROBS (not imported here: it pulls in torch)
@@ -57,6 +59,37 @@ class RequestError(ValueError):
 def engine_error_message(field: str, message: str) -> str:
     """The client-facing text of an engine InvalidRequestError."""
     return f"{ENGINE_FIELDS.get(field, field)}: {message}"
+
+
+@dataclass
+class RequestLimits:
+    """The request limits the server enforces (server/main.py flags). None: the model's context."""
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens; None: context_length - 1
+    max_tokens_limit: int | None = None  # --max-tokens-limit; None: context_length
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_string_len: int = MAX_STOP_STRING_LEN
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
+
+    def __post_init__(self):
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or unset, got {v!r}")
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+
+    def prompt_tokens(self, context: int) -> int:
+        """The most prompt tokens accepted: the flag, but always leaving room for one new token."""
+        room = context - 1
+        return room if self.max_prompt_tokens is None else min(self.max_prompt_tokens, room)
+
+    def max_tokens(self, context: int) -> int:
+        return context if self.max_tokens_limit is None else min(self.max_tokens_limit, context)
+
+
+DEFAULT_LIMITS = RequestLimits()
 
 
 @dataclass
@@ -107,8 +140,20 @@ def _sampling(s: pb.SamplingParams) -> dict:
     return out
 
 
-def _prompt(req, engine) -> tuple[str, list[int]]:
-    """Returns (field name, token ids) of the request's prompt."""
+def prompt_tokens(req, engine, limits: RequestLimits = DEFAULT_LIMITS) -> tuple[str, list[int]]:
+    """Returns (field name, token ids) of the request's prompt; raises RequestError for a missing,
+    empty, out-of-vocabulary or too long prompt. Tokenizing a long text takes a while: the
+    servicer calls this in a thread for large prompts."""
+    field_, ids = _prompt(req, engine, limits)
+    most = limits.prompt_tokens(engine.model_info.max_model_len)
+    if len(ids) > most:
+        raise RequestError(field_, f"is {len(ids)} tokens, more than the {most} prompt tokens this server accepts "
+                                   f"(--max-prompt-tokens, and the context_length "
+                                   f"{engine.model_info.max_model_len} less one for the completion)")
+    return field_, ids
+
+
+def _prompt(req, engine, limits: RequestLimits) -> tuple[str, list[int]]:
     info = engine.model_info
     which = req.WhichOneof("prompt")
     if which is None:
@@ -121,6 +166,11 @@ def _prompt(req, engine) -> tuple[str, list[int]]:
         ids = list(req.token_ids.ids)
         if not ids:
             raise RequestError("token_ids.ids", "must not be empty")
+        most = limits.prompt_tokens(info.max_model_len)
+        if len(ids) > most:  # before the per-id check: a huge list is refused at once
+            raise RequestError("token_ids.ids", f"holds {len(ids)} tokens, more than the {most} prompt tokens this "
+                                                f"server accepts (--max-prompt-tokens, and the context_length "
+                                                f"{info.max_model_len} less one for the completion)")
         for i, t in enumerate(ids):
             if t >= info.vocab_size:
                 raise RequestError(f"token_ids.ids[{i}]", f"must be < vocab_size ({info.vocab_size}), got {t}")
@@ -140,37 +190,43 @@ def _prompt(req, engine) -> tuple[str, list[int]]:
     return "messages", ids
 
 
-def to_engine_request(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine) -> EngineRequest:
-    """Validates a Generate(Stream)Request and converts it; raises RequestError naming the field."""
+def to_engine_request(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine,
+                      limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None,
+                      prompt: tuple[str, list[int]] | None = None) -> EngineRequest:
+    """Validates a Generate(Stream)Request and converts it; raises RequestError naming the field.
+    `request_id` (e.g. from x-request-id metadata) applies when the request's own is empty; `prompt`
+    is prompt_tokens()'s result when the caller already has it."""
     info = engine.model_info
     if len(req.request_id) > MAX_REQUEST_ID_LEN:
         raise RequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters, got {len(req.request_id)}")
-    request_id = req.request_id or uuid.uuid4().hex
-    field, prompt = _prompt(req, engine)
+    request_id = req.request_id or request_id or uuid.uuid4().hex
+    st = req.stopping
+    # Cheap checks on sizes first, so a huge request is refused before any tokenizing.
+    check_sizes(req, limits)
+    field_, prompt = prompt if prompt is not None else prompt_tokens(req, engine, limits)
     kw = _sampling(req.sampling)
 
-    st = req.stopping
-    room = info.max_model_len - len(prompt)
+    context = info.max_model_len
+    room = context - len(prompt)
     if room < 1:
-        raise RequestError(field, f"is {len(prompt)} tokens, which leaves no room in the context "
-                                  f"(context_length {info.max_model_len})")
+        raise RequestError(field_, f"is {len(prompt)} tokens, which leaves no room in the context "
+                                   f"(context_length {context})")
     if st.HasField("max_tokens"):
         if st.max_tokens < 1:
             raise RequestError("stopping.max_tokens", f"must be >= 1, got {st.max_tokens}")
         if st.max_tokens > room:
             raise RequestError("stopping.max_tokens", f"({st.max_tokens}) plus the prompt ({len(prompt)} tokens) "
-                                                      f"must fit the context_length ({info.max_model_len})")
+                                                      f"must fit the context_length ({context})")
+        most = limits.max_tokens(context)
+        if st.max_tokens > most:
+            raise RequestError("stopping.max_tokens", f"must be at most {most} (this server's --max-tokens-limit), "
+                                                      f"got {st.max_tokens}")
         max_tokens = st.max_tokens
     else:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        max_tokens = min(DEFAULT_MAX_TOKENS, room, limits.max_tokens(context))
     min_tokens = st.min_tokens if st.HasField("min_tokens") else 0
     if min_tokens > max_tokens:
         raise RequestError("stopping.min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}")
-    if len(st.stop) > MAX_STOP_STRINGS:
-        raise RequestError("stopping.stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {len(st.stop)}")
-    for i, s in enumerate(st.stop):
-        if not s:
-            raise RequestError(f"stopping.stop[{i}]", "must not be empty")
     for i, t in enumerate(st.stop_token_ids):
         if t >= info.vocab_size:
             raise RequestError(f"stopping.stop_token_ids[{i}]", f"must be < vocab_size ({info.vocab_size}), got {t}")
@@ -192,6 +248,23 @@ def to_engine_request(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine
         top_logprobs=top_logprobs,
     )
     return EngineRequest(request_id=request_id, prompt=prompt, params=params, priority=req.priority)
+
+
+def check_sizes(req, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+    """The limits on repeated fields and stop strings, which need no model."""
+    st = req.stopping
+    if len(st.stop) > limits.max_stop_strings:
+        raise RequestError("stopping.stop", f"must hold at most {limits.max_stop_strings} strings "
+                                            f"(--max-stop-strings), got {len(st.stop)}")
+    for i, s in enumerate(st.stop):
+        if not s:
+            raise RequestError(f"stopping.stop[{i}]", "must not be empty")
+        if len(s) > limits.max_stop_string_len:
+            raise RequestError(f"stopping.stop[{i}]", f"must be at most {limits.max_stop_string_len} characters "
+                                                      f"(--max-stop-string-len), got {len(s)}")
+    if len(st.stop_token_ids) > limits.max_stop_token_ids:
+        raise RequestError("stopping.stop_token_ids", f"must hold at most {limits.max_stop_token_ids} ids "
+                                                      f"(--max-stop-token-ids), got {len(st.stop_token_ids)}")
 
 
 def finish_reason(out) -> int:
@@ -222,7 +295,10 @@ def stream_response(request_id: str, out) -> pb.GenerateStreamResponse:
     return msg
 
 
-def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS) -> pb.GetModelInfoResponse:
+def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: RequestLimits = DEFAULT_LIMITS,
+               max_message_bytes: int = 0, max_concurrent_streams: int = 0,
+               request_timeout: float = 0.0) -> pb.GetModelInfoResponse:
+    context = info.max_model_len
     return pb.GetModelInfoResponse(
         model_id=info.model_id or "",
         architecture=info.architecture,
@@ -236,8 +312,16 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS) -> pb.
             max_num_seqs=info.max_num_seqs,
             max_num_batched_tokens=info.max_num_batched_tokens,
             max_queue_len=info.max_queue_len,
-            default_max_tokens=limits_default_max_tokens,
+            default_max_tokens=min(limits_default_max_tokens, limits.max_tokens(context)),
             max_top_logprobs=MAX_TOP_LOGPROBS,
+            max_prompt_tokens=limits.prompt_tokens(context),
+            max_tokens_limit=limits.max_tokens(context),
+            max_stop_strings=limits.max_stop_strings,
+            max_stop_string_len=limits.max_stop_string_len,
+            max_stop_token_ids=limits.max_stop_token_ids,
+            max_message_bytes=max_message_bytes,
+            max_concurrent_streams=max_concurrent_streams,
+            request_timeout_seconds=request_timeout,
         ),
     )
 

@@ -5,6 +5,8 @@ the `pagoda` parser stays fast.
 Start-up: the server listens at once with grpc.health.v1 NOT_SERVING, loads the engine in a thread,
 then turns SERVING. SIGTERM (or SIGINT): health NOT_SERVING, new calls UNAVAILABLE, in-flight calls
 get --grace-period seconds to finish, then the engine shuts down and the process exits 0.
+
+Limits, keepalive, TLS / mutual TLS, API key and metrics are server/options.py's ServerOptions.
 """
 from __future__ import annotations
 
@@ -53,6 +55,88 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
         f"(default: {DEFAULT_GRACE_S:g})", type=float, default=DEFAULT_GRACE_S)
     opt("--log-level", "LOG_LEVEL", "logging level (default: INFO)", default="INFO")
+    opt("--log-format", "LOG_FORMAT", "text, or json: one JSON object per line (default: text)", default="text",
+        choices=["text", "json"])
+
+    from server import options as o  # standard library only
+
+    g = p.add_argument_group("limits")
+
+    def lim(flag, env, help, **kw):
+        default = _env(env, kw.pop("default", None))
+        g.add_argument(flag, default=default, help=f"{help} [env PAGODA_{env}]", **kw)
+
+    lim("--max-message-bytes", "MAX_MESSAGE_BYTES", f"largest request/response message; larger: RESOURCE_EXHAUSTED "
+        f"(default: {o.DEFAULT_MAX_MESSAGE_BYTES}, 4 MiB)", type=int, default=o.DEFAULT_MAX_MESSAGE_BYTES)
+    lim("--max-prompt-tokens", "MAX_PROMPT_TOKENS", "most prompt tokens; more: INVALID_ARGUMENT (default: 0, the "
+        "context length less one)", type=int, default=0)
+    lim("--max-tokens-limit", "MAX_TOKENS_LIMIT", "largest stopping.max_tokens accepted (default: 0, the context "
+        "length)", type=int, default=0)
+    lim("--max-stop-strings", "MAX_STOP_STRINGS", "most stop strings per request (default: 16)", type=int, default=16)
+    lim("--max-stop-string-len", "MAX_STOP_STRING_LEN", "most characters per stop string (default: 256)", type=int,
+        default=256)
+    lim("--max-stop-token-ids", "MAX_STOP_TOKEN_IDS", "most stop token ids per request (default: 64)", type=int,
+        default=64)
+    lim("--max-concurrent-streams", "MAX_CONCURRENT_STREAMS", "most Generate/GenerateStream calls in flight; more: "
+        f"RESOURCE_EXHAUSTED (default: {o.DEFAULT_MAX_CONCURRENT_STREAMS})", type=int,
+        default=o.DEFAULT_MAX_CONCURRENT_STREAMS)
+    lim("--request-timeout", "REQUEST_TIMEOUT", "seconds a generation may run before it is aborted with "
+        f"DEADLINE_EXCEEDED and its KV blocks freed; 0: no limit (default: {o.DEFAULT_REQUEST_TIMEOUT_S:g})",
+        type=float, default=o.DEFAULT_REQUEST_TIMEOUT_S)
+    lim("--keepalive-time", "KEEPALIVE_TIME", "seconds between the server's keepalive pings on a connection "
+        f"(default: {o.DEFAULT_KEEPALIVE_TIME_S:g})", type=float, default=o.DEFAULT_KEEPALIVE_TIME_S)
+    lim("--keepalive-timeout", "KEEPALIVE_TIMEOUT", "seconds to wait for a ping's answer before dropping the "
+        f"connection and aborting its requests (default: {o.DEFAULT_KEEPALIVE_TIMEOUT_S:g})", type=float,
+        default=o.DEFAULT_KEEPALIVE_TIMEOUT_S)
+    lim("--keepalive-min-ping-interval", "KEEPALIVE_MIN_PING_INTERVAL", "shortest interval between client "
+        "keepalive pings the server accepts, also while no data flows (a long prefill); more frequent ones get "
+        f"GOAWAY (default: {o.DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S:g})", type=float,
+        default=o.DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S)
+
+    g = p.add_argument_group("security")
+
+    def sec(flag, env, help, **kw):
+        default = _env(env, kw.pop("default", None))
+        g.add_argument(flag, default=default, help=f"{help} [env PAGODA_{env}]", **kw)
+
+    sec("--tls-cert", "TLS_CERT", "PEM certificate chain of the server; with --tls-key, serve TLS only")
+    sec("--tls-key", "TLS_KEY", "PEM private key of --tls-cert")
+    sec("--tls-client-ca", "TLS_CLIENT_CA", "PEM CA bundle; clients must present a certificate it signed "
+        "(mutual TLS)")
+    sec("--api-key", "API_KEY", "require the metadata 'authorization: Bearer KEY' on every call but health and "
+        "reflection; prefer the environment variable (a flag shows in ps)")
+
+    g = p.add_argument_group("observability")
+    g.add_argument("--metrics-port", default=_env("METRICS_PORT", 0), type=int,
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics; 0: off (default: 0) "
+                        "[env PAGODA_METRICS_PORT]")
+    g.add_argument("--metrics-host", default=_env("METRICS_HOST", "0.0.0.0"),
+                   help="address of the metrics endpoint (default: 0.0.0.0) [env PAGODA_METRICS_HOST]")
+
+
+def server_options(args: argparse.Namespace):
+    """The ServerOptions of the parsed flags (0 for the two context-bound limits means the context)."""
+    from server.options import ServerOptions
+
+    return ServerOptions(
+        max_prompt_tokens=args.max_prompt_tokens or None,
+        max_tokens_limit=args.max_tokens_limit or None,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_len=args.max_stop_string_len,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_message_bytes=args.max_message_bytes,
+        max_concurrent_streams=args.max_concurrent_streams,
+        request_timeout=args.request_timeout,
+        keepalive_time=args.keepalive_time,
+        keepalive_timeout=args.keepalive_timeout,
+        keepalive_min_ping_interval=args.keepalive_min_ping_interval,
+        tls_cert=args.tls_cert or None,
+        tls_key=args.tls_key or None,
+        tls_client_ca=args.tls_client_ca or None,
+        api_key=args.api_key or None,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+    )
 
 
 def engine_config(args: argparse.Namespace):
@@ -87,10 +171,11 @@ async def serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     from server.app import PagodaServer
 
-    server = PagodaServer(lambda: _build_engine(args), host=args.host, port=args.port)
     try:
+        options = server_options(args)
+        server = PagodaServer(lambda: _build_engine(args), host=args.host, port=args.port, options=options)
         await server.start()
-    except RuntimeError as e:  # grpc: "Failed to bind to address ..."
+    except (RuntimeError, ValueError, OSError) as e:  # a bad option, an unreadable PEM file, a port in use
         log.error("%s", e)
         return 1
     loaded = asyncio.create_task(server.ready.wait())  # set once the engine is up, or failed to load
@@ -107,8 +192,19 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def setup_logging(level: str, fmt: str = "text") -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        from server.metrics import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=str(level).upper(), handlers=[handler])
+
+
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, getattr(args, "log_format", "text"))
     return asyncio.run(serve(args))
 
 

@@ -1,39 +1,57 @@
 """pagoda.v1.GenerationService: thin grpc.aio handlers over engine.AsyncEngine.
 
-Each handler: refuse while not serving, validate and convert (server/convert.py), hand the request
-to the engine's asyncio front, convert back. Exceptions become status codes in one place
-(status_for, applied by _call).
+Each handler: refuse while not serving (or past --max-concurrent-streams), validate and convert
+(server/convert.py), hand the request to the engine's asyncio front, convert back. Exceptions become
+status codes in one place (status_for, applied by _call), which also counts every call in the
+metrics and, for generations, writes the structured request log line (server/metrics.py).
+
+Status codes: OK; INVALID_ARGUMENT (a bad or undecodable request; the message names the field);
+ALREADY_EXISTS (request_id in flight); RESOURCE_EXHAUSTED (waiting queue full, too many concurrent
+generations; both say "retry after a short backoff"; and grpc's own "message larger than max");
+UNAVAILABLE (loading, draining, engine shut down); DEADLINE_EXCEEDED (the client's deadline, or
+--request-timeout); CANCELLED (the client cancelled); UNAUTHENTICATED (server/auth.py); INTERNAL
+(an engine step failed, or a bug).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
+import uuid
 
 import grpc
 
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 from server import convert
+from server.options import ServerOptions
 
 log = logging.getLogger("pagoda.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # "pagoda.v1.GenerationService"
 
 LOADING, SERVING, DRAINING = "loading", "serving", "draining"
+REQUEST_ID_HEADER = "x-request-id"
+RETRY_HINT = "retry after a short backoff"
+LARGE_PROMPT_CHARS = 4096  # text/messages longer than this are tokenized in a thread, off the event loop
 
 
 class ServerState:
-    """What the handlers share with server startup/shutdown: the engine once loaded, the phase, and
-    the calls in flight (draining waits for them)."""
+    """What the handlers share with server startup/shutdown: the engine once loaded, the phase, the
+    calls in flight (draining waits for them), the options and limits, the metrics."""
 
-    def __init__(self):
+    def __init__(self, options: ServerOptions | None = None, metrics=None):
         self.engine = None
         self.phase = LOADING
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
         self.request_ids: set[str] = set()  # generation requests in flight
+        self.num_generations = 0  # Generate/GenerateStream calls in flight
+        self.options = options or ServerOptions()
+        self.limits = self.options.request_limits()
+        self.metrics = metrics  # server.metrics.Metrics, or None
 
     def enter(self):
         self.inflight += 1
@@ -45,17 +63,61 @@ class ServerState:
             self.idle.set()
 
 
+class ServerError(Exception):
+    """A status the server decided on (code, message)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Undecodable:
+    """What the lenient deserializer hands the handler for bytes that are not a valid message (bad
+    wire data, a string field that is not UTF-8): the handler answers INVALID_ARGUMENT instead of
+    grpc's generic INTERNAL "Exception deserializing request!"."""
+
+    def __init__(self, message_type: str, error: Exception):
+        self.message_type = message_type
+        self.error = error
+
+
+def lenient_deserializer(cls):
+    def deserialize(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # google.protobuf.message.DecodeError, and anything else a parser may raise
+            return Undecodable(cls.DESCRIPTOR.full_name, e)
+    return deserialize
+
+
+def add_servicer_to_server(servicer, server) -> None:
+    """As the generated add_GenerationServiceServicer_to_server, with lenient request deserializers."""
+    service = pb.DESCRIPTOR.services_by_name["GenerationService"]
+    handlers = {}
+    for m in service.methods:
+        req_cls, resp_cls = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(getattr(servicer, m.name), request_deserializer=lenient_deserializer(req_cls),
+                                response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
     """The one place exceptions become (status code, message). The engine module is imported here,
     not at module level, so the server can listen before torch is loaded."""
     from engine.errors import EngineClosedError, EngineError, InvalidRequestError, QueueFullError
 
+    if isinstance(e, ServerError):
+        return e.code, e.message
     if isinstance(e, convert.RequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, convert.engine_error_message(e.field, e.message)
     if isinstance(e, QueueFullError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e) or "the waiting queue is full; retry later"
+        msg = str(e) or "the waiting queue is full"
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{msg.removesuffix('; retry later')}; {RETRY_HINT}"
     if isinstance(e, EngineClosedError):
         return grpc.StatusCode.UNAVAILABLE, str(e) or "the engine is shut down"
     if isinstance(e, EngineError):
@@ -65,59 +127,173 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
+def _header_safe(value: str) -> bool:
+    return all(" " <= c <= "~" for c in value)
+
+
+def _metadata_request_id(context) -> str:
+    """The x-request-id metadata, checked; "" when absent."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER:
+            if isinstance(value, bytes):
+                raise convert.RequestError("x-request-id metadata", "must be text")
+            if len(value) > convert.MAX_REQUEST_ID_LEN:
+                raise convert.RequestError("x-request-id metadata", f"must be at most {convert.MAX_REQUEST_ID_LEN} "
+                                                                    f"characters, got {len(value)}")
+            return value
+    return ""
+
+
+def _prompt_chars(request) -> int:
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        return len(request.text)
+    if which == "messages":
+        return sum(len(m.content) + len(m.role) + 16 for m in request.messages.messages)  # + per-message markup
+    return 0
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, state: ServerState):
         self.state = state
 
     @contextlib.asynccontextmanager
-    async def _call(self, context: grpc.aio.ServicerContext):
-        """Admits a call (UNAVAILABLE unless serving), yields the engine, and maps exceptions to
-        status codes. context.abort raises, which ends the handler."""
-        state = self.state
-        if state.phase != SERVING or state.engine is None:
-            why = "loading the model" if state.phase == LOADING else "shutting down"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server is {why}; retry later")
-        state.enter()
+    async def _call(self, context: grpc.aio.ServicerContext, method: str, request, record=None):
+        """Admits a call (UNAVAILABLE unless serving; RESOURCE_EXHAUSTED past --max-concurrent-streams
+        for generations), yields the engine, maps exceptions to status codes, counts the call in the
+        metrics and finishes its request record. context.abort raises, which ends the handler."""
+        state, metrics = self.state, self.state.metrics
+        code, entered = grpc.StatusCode.OK, False
+        generation = record is not None
         try:
+            if state.phase != SERVING or state.engine is None:
+                why = "loading the model" if state.phase == LOADING else "shutting down"
+                raise ServerError(grpc.StatusCode.UNAVAILABLE, f"server is {why}; retry later")
+            if isinstance(request, Undecodable):
+                raise convert.RequestError("request", f"is not a valid {request.message_type} message "
+                                                      f"({type(request.error).__name__}: {request.error}); strings "
+                                                      f"must be UTF-8")
+            if generation:
+                limit = state.options.max_concurrent_streams
+                if state.num_generations >= limit:
+                    raise ServerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"too many generation calls in flight (this server's limit is {limit}, "
+                                      f"--max-concurrent-streams); {RETRY_HINT}")
+                state.num_generations += 1
+                if metrics is not None:
+                    metrics.inflight.inc()
+            state.enter()
+            entered = True
             yield state.engine
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
+                    else grpc.StatusCode.CANCELLED)
+            raise
         except grpc.aio.AbortError:
+            code = context.code() or grpc.StatusCode.UNKNOWN
             raise
         except Exception as e:
-            await context.abort(*status_for(e))
+            code, message = status_for(e)
+            await context.abort(code, message)
         finally:
-            state.leave()
+            if entered:
+                state.leave()
+                if generation:
+                    state.num_generations -= 1
+                    if metrics is not None:
+                        metrics.inflight.dec()
+            if metrics is not None:
+                metrics.requests.labels(method, code.name).inc()
+            if generation:
+                record.finish(code.name, metrics)
 
-    async def _generate(self, engine, request, context):
+    async def _generate(self, engine, request, context, record):
         """Yields (request_id, engine delta) until the request finishes. Leaving early (client cancel,
-        deadline, error) aborts the request in the engine so its KV blocks are freed."""
-        req = convert.to_engine_request(request, engine)
-        if req.request_id in self.state.request_ids:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id {req.request_id!r} is already used by a request in flight")
-        self.state.request_ids.add(req.request_id)
+        deadline, --request-timeout, error) aborts the request in the engine so its KV blocks are freed."""
+        state = self.state
+        made_up = uuid.uuid4().hex
+        record.request_id = request.request_id[:convert.MAX_REQUEST_ID_LEN] or made_up  # if the next line fails
+        rid = request.request_id or _metadata_request_id(context) or made_up
+        record.request_id = rid
+        if _header_safe(rid) and len(rid) <= convert.MAX_REQUEST_ID_LEN:
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
+        convert.check_sizes(request, state.limits)
+        prompt = None
+        if _prompt_chars(request) > LARGE_PROMPT_CHARS:  # tokenizing a long text takes a while
+            prompt = await asyncio.to_thread(convert.prompt_tokens, request, engine, state.limits)
+        req = convert.to_engine_request(request, engine, state.limits, request_id=rid, prompt=prompt)
+        if req.request_id in state.request_ids:
+            raise ServerError(grpc.StatusCode.ALREADY_EXISTS,
+                              f"request_id {req.request_id!r} is already used by a request in flight")
+        state.request_ids.add(req.request_id)
         unfinished = req.params.n
+        timeout = state.options.request_timeout
+        timed_out = ServerError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"request {req.request_id!r} ran past this server's time limit of {timeout:g}s "
+                                f"(--request-timeout) and was aborted")
+        # --request-timeout: a timer, not a wait_for per token (that costs a task per token). When it
+        # fires while this task waits for the engine, it cancels the wait; otherwise the loop sees the
+        # flag before its next wait.
+        task, waiting, expired = asyncio.current_task(), [False], [False]
+
+        def expire():
+            expired[0] = True
+            if waiting[0]:
+                task.cancel()
+
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(loop.time() + max(0.0, record.t0 + timeout - time.monotonic()), expire) \
+            if timeout > 0 else None
         outputs = engine.generate(req.prompt, req.params, request_id=req.request_id, priority=req.priority)
+        record.submitted()
         try:
-            async for out in outputs:
+            it = outputs.__aiter__()
+            while unfinished:
+                if expired[0]:
+                    raise timed_out
+                waiting[0] = True
+                try:
+                    out = await it.__anext__()
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if not expired[0]:
+                        raise
+                    uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+                    if uncancel is not None:
+                        uncancel()
+                    raise timed_out from None
+                finally:
+                    waiting[0] = False
                 if out.finish_reason == "error":
                     from engine.errors import EngineError
 
-                    raise EngineError(out.error or "the engine step running this request failed")
+                    raise EngineError(getattr(out, "error", None) or "the engine step running this request failed")
                 unfinished -= out.finished
+                record.output(out)
                 yield req.request_id, out
         finally:
-            self.state.request_ids.discard(req.request_id)
+            if timer is not None:
+                timer.cancel()
+            state.request_ids.discard(req.request_id)
             if unfinished:
                 engine.abort(req.request_id)
             aclose = getattr(outputs, "aclose", None)
             if aclose is not None:
                 await aclose()
 
+    def _record(self, method: str, context):
+        from server.metrics import RequestRecord
+
+        return RequestRecord(method, peer=context.peer() or "")
+
     async def Generate(self, request, context):
-        async with self._call(context) as engine:
+        record = self._record("Generate", context)
+        async with self._call(context, "Generate", request, record) as engine:
             choices: dict[int, list] = {}  # index -> [texts, token ids, logprobs, last output]
             rid = request.request_id
-            async with contextlib.aclosing(self._generate(engine, request, context)) as outputs:
+            async with contextlib.aclosing(self._generate(engine, request, context, record)) as outputs:
                 async for rid, out in outputs:
                     c = choices.setdefault(out.index, [[], [], [], None])
                     c[0].append(out.text)
@@ -136,22 +312,31 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                        logprobs=done[0].logprobs, choices=done)
 
     async def GenerateStream(self, request, context):
-        async with self._call(context) as engine:
-            async with contextlib.aclosing(self._generate(engine, request, context)) as outputs:
+        record = self._record("GenerateStream", context)
+        async with self._call(context, "GenerateStream", request, record) as engine:
+            async with contextlib.aclosing(self._generate(engine, request, context, record)) as outputs:
                 async for rid, out in outputs:
                     if out.token_ids or out.text or out.finished:
                         yield convert.stream_response(rid, out)
 
     async def Tokenize(self, request, context):
-        async with self._call(context) as engine:
+        async with self._call(context, "Tokenize", request) as engine:
             if not request.text:
                 raise convert.RequestError("text", "must not be empty")
-            return pb.TokenizeResponse(token_ids=engine.encode(request.text))
+            if len(request.text) > LARGE_PROMPT_CHARS:
+                ids = await asyncio.to_thread(engine.encode, request.text)
+            else:
+                ids = engine.encode(request.text)
+            return pb.TokenizeResponse(token_ids=ids)
 
     async def GetModelInfo(self, request, context):
-        async with self._call(context) as engine:
-            return convert.model_info(engine.model_info)
+        async with self._call(context, "GetModelInfo", request) as engine:
+            o = self.state.options
+            return convert.model_info(engine.model_info, limits=self.state.limits,
+                                      max_message_bytes=o.max_message_bytes,
+                                      max_concurrent_streams=o.max_concurrent_streams,
+                                      request_timeout=o.request_timeout)
 
     async def GetStats(self, request, context):
-        async with self._call(context) as engine:
+        async with self._call(context, "GetStats", request) as engine:
             return convert.stats(engine.stats())

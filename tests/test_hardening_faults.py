@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import threading
 import time
 
 import grpc
@@ -15,7 +16,6 @@ import pytest
 from client.client import AsyncClient, Client, collect
 from grpc_fixtures import ServeProcess, slow_steps, tiny_checkpoint
 from hardening_fixtures import OptionsServer, running, server_idle, wait_all_blocks_free
-from pagoda.v1 import generation_pb2 as pb
 from server.options import ServerOptions
 
 pytestmark = pytest.mark.timeout(180)
@@ -141,11 +141,24 @@ def test_request_timeout_aborts_and_frees_blocks():
             with pytest.raises(grpc.RpcError) as e:
                 c.generate("Hello", max_tokens=400, ignore_eos=True)
             assert e.value.code() == C.DEADLINE_EXCEEDED
+        # A wedged engine (its step never returns) still gets an answer at the time limit.
+        release = threading.Event()
+        runner = srv.engine.engine.runner
+        run = runner.run
+        runner.run = lambda *a, **kw: (release.wait(30), run(*a, **kw))[1]
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(c.generate_stream("Hello", max_tokens=4, ignore_eos=True))
+            assert e.value.code() == C.DEADLINE_EXCEEDED and time.monotonic() - t0 < 5
+        finally:
+            release.set()
+            runner.run = run
         wait_all_blocks_free(c)
         server_idle(srv)
         # Short requests are not affected.
         assert len(c.generate("Hello", max_tokens=4, ignore_eos=True).token_ids) == 4
-        FAULTS["requests timed out"] = 2
+        FAULTS["requests timed out"] = 3
 
 
 def test_drain_past_the_grace_period_cancels_what_is_left():

@@ -147,11 +147,13 @@ def test_one_structured_log_line_per_finished_request(srv, caplog):
             stream.cancel()
         wait_all_blocks_free(c)
         c.stats()  # not a generation: no line
+    expected = {"log-ok", "log-stream", "log-bad", "log-cancel"}
     deadline = time.monotonic() + 5
-    while len(request_lines(caplog)) < 4 and time.monotonic() < deadline:
+    while not expected <= {line["request_id"] for line in request_lines(caplog)} and time.monotonic() < deadline:
         time.sleep(0.02)
-    lines = {line["request_id"]: line for line in request_lines(caplog)}
-    assert set(lines) == {"log-ok", "log-stream", "log-bad", "log-cancel"}, lines
+    mine = [line for line in request_lines(caplog) if line["request_id"] in expected]
+    lines = {line["request_id"]: line for line in mine}
+    assert len(mine) == 4 and set(lines) == expected, mine  # one line each
     ok = lines["log-ok"]
     assert (ok["method"], ok["status"], ok["completion_tokens"]) == ("Generate", "OK", 4)
     assert ok["prompt_tokens"] == len(Client(srv.target).tokenize("Hello")) and ok["cached_tokens"] >= 0

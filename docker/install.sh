@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The install steps of docker/Dockerfile, kept here so there is one source of truth: the Dockerfile
+# RUNs this script, and CI runs it outside Docker (tests/test_hardening_docker.py) to show it works.
+#
+#   docker/install.sh [SRC]      SRC: the repository (default: this script's parent directory)
+#
+# Environment:
+#   PAGODA_VENV   where the virtual environment goes (default: /opt/pagoda/venv)
+#   PYTHON        the interpreter that makes it (default: python3; pagoda needs 3.10+)
+#   PIP_ARGS      extra `pip install` arguments (e.g. --index-url ...)
+#
+# It is the README's install (`pip install .`, not editable: the image holds no source tree), in a
+# virtual environment, then a smoke check from outside the source tree.
+set -euo pipefail
+
+src="${1:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+venv="${PAGODA_VENV:-/opt/pagoda/venv}"
+python="${PYTHON:-python3}"
+
+"$python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "pagoda needs Python 3.10 or newer")'
+"$python" -m venv "$venv"
+# shellcheck disable=SC2086  # PIP_ARGS is a list of arguments
+"$venv/bin/python" -m pip install --no-cache-dir --disable-pip-version-check ${PIP_ARGS:-} "$src"
+
+# Smoke check, away from the source tree so nothing is imported from it.
+cd /
+"$venv/bin/pagoda" --help >/dev/null
+"$venv/bin/pagoda" health --help >/dev/null
+"$venv/bin/python" - <<'PY'
+import importlib, sys
+for name in ("pagoda.v1.generation_pb2", "server.app", "server.metrics", "server.auth", "client.client",
+             "engine", "prometheus_client", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection"):
+    importlib.import_module(name)
+print("pagoda installed in", sys.prefix)
+PY

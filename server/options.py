@@ -1,0 +1,107 @@
+"""ServerOptions: everything about the server that is not the engine's configuration (limits,
+keepalive, TLS, auth, metrics), built from `pagoda serve` flags by server/main.py or directly by
+tests. Standard library only, so the `pagoda` parser stays cheap to build."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MIB = 1 << 20
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * MIB
+DEFAULT_MAX_CONCURRENT_STREAMS = 2048
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# Keepalive: the server pings a connection every KEEPALIVE_TIME seconds and drops
+# it when the ping is not answered within KEEPALIVE_TIMEOUT (a vanished client then no longer holds
+# KV blocks). Clients may ping as often as every MIN_PING_INTERVAL seconds, with or without data in
+# flight: a prefill of tens of seconds sends no data, and grpc's default (5 minutes, 2 strikes) would
+# answer a client's keepalive pings during it with GOAWAY "too_many_pings".
+DEFAULT_KEEPALIVE_TIME_S = 30.0
+DEFAULT_KEEPALIVE_TIMEOUT_S = 20.0
+DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S = 5.0
+
+
+@dataclass
+class ServerOptions:
+    # request limits (server/convert.py RequestLimits fields; None: the model's context)
+    max_prompt_tokens: int | None = None
+    max_tokens_limit: int | None = None
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    max_stop_token_ids: int = 64
+    # transport and load limits
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S  # seconds; 0: no limit
+    keepalive_time: float = DEFAULT_KEEPALIVE_TIME_S
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    keepalive_min_ping_interval: float = DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S
+    # security
+    tls_cert: str | None = None  # PEM file paths
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # set: clients must present a certificate signed by it (mutual TLS)
+    api_key: str | None = field(default=None, repr=False)
+    # observability
+    metrics_port: int = 0  # 0: no metrics endpoint; -1: any free port (PagodaServer.metrics_port)
+    metrics_host: str = "0.0.0.0"
+
+    def __post_init__(self):
+        def positive(name, integer=True, zero=False):
+            v = getattr(self, name)
+            ok = isinstance(v, int) and not isinstance(v, bool) if integer else (
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+            if not ok or v < 0 or (v == 0 and not zero):
+                raise ValueError(f"{name} must be a {'positive' if not zero else 'non-negative'} "
+                                 f"{'integer' if integer else 'number'}, got {v!r}")
+
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            if getattr(self, name) is not None:
+                positive(name)
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+            positive(name, zero=True)
+        positive("max_message_bytes")
+        positive("max_concurrent_streams")
+        positive("request_timeout", integer=False, zero=True)
+        positive("keepalive_time", integer=False)
+        positive("keepalive_timeout", integer=False)
+        positive("keepalive_min_ping_interval", integer=False, zero=True)
+        if self.metrics_port is None:
+            self.metrics_port = 0
+        # -1 (not a flag value: for tests and embedding) binds any free port
+        if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.api_key is not None and not self.api_key:
+            self.api_key = None  # an empty key (e.g. PAGODA_API_KEY="") means no auth
+        if self.api_key is not None and (not self.api_key.isprintable() or " " in self.api_key):
+            raise ValueError("api_key must be printable characters without spaces")
+
+    def request_limits(self):
+        from server.convert import RequestLimits
+
+        return RequestLimits(max_prompt_tokens=self.max_prompt_tokens, max_tokens_limit=self.max_tokens_limit,
+                             max_stop_strings=self.max_stop_strings, max_stop_string_len=self.max_stop_string_len,
+                             max_stop_token_ids=self.max_stop_token_ids)
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Channel arguments of the grpc server."""
+        ms = lambda s: int(round(s * 1000))  # noqa: E731
+        return [
+            ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_time)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout)),
+            # newer grpc cores time pings out with this one (default 1 minute), not keepalive_timeout_ms
+            ("grpc.http2.ping_timeout_ms", ms(self.keepalive_timeout)),
+            # accept client pings on idle connections too (else the minimum interval there is 2 hours)
+            ("grpc.keepalive_permit_without_calls", 1),
+            # keep pinging through a long prefill (grpc's default stops after 2 pings without data)
+            ("grpc.http2.max_pings_without_data", 0),
+            # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS (this is its real name)
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(self.keepalive_min_ping_interval)),
+            ("grpc.http2.max_ping_strikes", 2),
+        ]

@@ -1,0 +1,152 @@
+"""The container: docker/Dockerfile's shape (CUDA runtime base, non-root user, grpc.health.v1
+HEALTHCHECK, docker/install.sh as its install) and docker/install.sh itself, run outside Docker as CI
+can: into a temporary virtual environment, then the installed `pagoda serve` answers the HEALTHCHECK's
+`pagoda health`.
+
+To stay fast and offline apart from PyPI, the temporary environment sees this environment's
+dependencies through a .pth file (pagoda itself left out), so pip resolves every dependency against
+them (a real check that they satisfy pyproject.toml) and installs only pagoda; the build backend
+(setuptools) comes from PyPI (or pip's configured index) as in any isolated build."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import site
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from grpc_fixtures import REPO, tiny_checkpoint
+
+pytestmark = pytest.mark.timeout(600)
+
+DOCKER = REPO / "docker"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (DOCKER / "Dockerfile").read_text()
+    text = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_shape():
+    ins = dockerfile_instructions()
+    first = [rest for word, rest in ins if word == "FROM"]
+    assert len(first) == 1 and re.fullmatch(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-ubuntu[\d.]+", first[0]), first
+    users = [rest for word, rest in ins if word == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the server must not run as root"
+    runs = " ".join(rest for word, rest in ins if word == "RUN")
+    assert "docker/install.sh" in runs, "the Dockerfile must install through docker/install.sh"
+    assert "pip install" not in runs, "install steps belong in docker/install.sh (one source of truth)"
+    health = [rest for word, rest in ins if word == "HEALTHCHECK"]
+    assert len(health) == 1
+    cmd = json.loads(health[0][health[0].index("CMD") + 3:].strip())
+    assert cmd[:2] == ["pagoda", "health"]
+    entry = [json.loads(rest) for word, rest in ins if word == "ENTRYPOINT"]
+    assert entry == [["pagoda", "serve"]]
+    exposed = " ".join(rest for word, rest in ins if word == "EXPOSE").split()
+    assert "50051" in exposed
+    copied = " ".join(rest for word, rest in ins if word == "COPY")
+    for path in ("pyproject.toml", "README.md", "protos", "engine", "server", "client", "docker/install.sh"):
+        assert path in copied, path
+        assert (REPO / path).exists(), path
+    # The build context filter lets those in.
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
+    for path in ("pyproject.toml", "README.md", "protos/**", "engine/**", "server/**", "client/**",
+                 "docker/install.sh"):
+        assert f"!{path}" in ignore, path
+
+
+def test_docker_readme_has_the_run_lines():
+    text = (DOCKER / "README.md").read_text()
+    for needle in ("docker build -f docker/Dockerfile", "docker run", "--gpus all", "-p 50051:50051", "-v ",
+                   "PAGODA_API_KEY", "PAGODA_TLS_CERT", "PAGODA_TLS_CLIENT_CA", "PAGODA_METRICS_PORT",
+                   "--model /models/"):
+        assert needle in text, needle
+
+
+def _deps_dir(tmp_path: Path) -> Path:
+    """This environment's site-packages minus pagoda itself (and its editable-install hooks), as symlinks."""
+    out = tmp_path / "deps"
+    out.mkdir()
+    for sp in site.getsitepackages():
+        for entry in Path(sp).iterdir():
+            name = entry.name.lower()
+            if (name.startswith(("pagoda", "__editable__", "_pagoda")) or name.endswith(".pth")
+                    or name in ("engine", "server", "client")):
+                continue
+            target = out / entry.name
+            if not target.exists():
+                target.symlink_to(entry)
+    return out
+
+
+def _venv_site_packages(venv: Path) -> Path:
+    v = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return venv / "lib" / v / "site-packages"
+
+
+@pytest.mark.slow
+def test_install_script_outside_docker(tmp_path):
+    venv = tmp_path / "venv"
+    # The script makes the venv; made here first (the same command) to drop the .pth in, then re-made by it.
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    (_venv_site_packages(venv) / "deps.pth").write_text(str(_deps_dir(tmp_path)) + "\n")
+    env = {**os.environ, "PAGODA_VENV": str(venv), "PYTHON": sys.executable, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("PYTHONPATH", None)
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", str(DOCKER / "install.sh"), str(REPO)], capture_output=True, text=True, env=env,
+                         timeout=540, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "pagoda installed in" in out.stdout
+    print(f"install.sh took {time.monotonic() - t0:.1f}s")
+    py, pagoda = venv / "bin" / "python", venv / "bin" / "pagoda"
+    # Installed, not imported from the repository.
+    where = subprocess.run([str(py), "-c", "import server.app, engine, pagoda.v1; print(server.app.__file__); "
+                            "print(pagoda.v1.__file__)"], capture_output=True, text=True, cwd="/", timeout=120,
+                           env={k: v for k, v in env.items() if k != "PYTHONPATH"})
+    assert where.returncode == 0, where.stderr
+    assert all(str(venv) in line for line in where.stdout.split()), where.stdout
+    # The installed server, and the HEALTHCHECK's command against it.
+    serve = subprocess.Popen([str(pagoda), "serve", "--host", "127.0.0.1", "--port", "0", "--model", tiny_checkpoint(),
+                              "--device", "cpu", "--num-kv-blocks", "16"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, cwd="/", env=env)
+    try:
+        port = None
+        for line in serve.stdout:
+            m = re.search(r"listening on \S+ \(port (\d+)\)", line)
+            if m:
+                port = m.group(1)
+                break
+        assert port, "no port in the log"
+        deadline = time.monotonic() + 120
+        while True:
+            health = subprocess.run([str(pagoda), "health", "--target", f"127.0.0.1:{port}"], capture_output=True,
+                                    text=True, timeout=60, cwd="/", env=env)
+            if health.returncode == 0:
+                break
+            assert time.monotonic() < deadline, health.stdout + health.stderr
+            time.sleep(0.2)
+        assert health.stdout.strip() == "SERVING"
+        gen = subprocess.run([str(pagoda), "generate", "Hello", "--max-tokens", "3", "--target", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60, cwd="/", env=env)
+        assert gen.returncode == 0, gen.stderr
+    finally:
+        serve.terminate()
+        serve.wait(30)
+    assert serve.returncode == 0
+    # With the server gone, the HEALTHCHECK fails.
+    health = subprocess.run([str(pagoda), "health", "--target", f"127.0.0.1:{port}", "--timeout", "2"],
+                            capture_output=True, text=True, timeout=60, cwd="/", env=env)
+    assert health.returncode == 1 and "UNAVAILABLE" in health.stderr, shlex.join(health.args)
