@@ -147,9 +147,13 @@ def _print_json(msg, lines: bool = False) -> None:
 @_rpc_errors
 def _generate(args: argparse.Namespace) -> int:
     kw = _sampling_kwargs(args)
-    kw.update(logprobs=args.logprobs, top_logprobs=args.top_logprobs)
+    kw.update(logprobs=args.logprobs, top_logprobs=args.top_logprobs, n=args.n)
     prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
     with _client(args) as c:
+        if (args.n or 1) > 1 and not args.json:  # several completions: each printed whole, in order
+            for choice in c.generate(prompt, **kw).choices:
+                print(f"--- completion {choice.index} ---\n{choice.text}")
+            return 0
         if args.json:
             if args.stream:
                 for msg in c.generate_stream(prompt, **kw):
@@ -257,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate a completion from a server")
     p.add_argument("prompt", help="prompt text (or comma-separated token ids with --token-ids)")
     p.add_argument("--stream", action="store_true", help="print the completion as it is generated")
+    p.add_argument("-n", "--n", type=int, default=None, help="completions to generate (default 1; above 1 "
+                   "they are printed one after another when all are done, or streamed with --json)")
     p.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--logprobs", action="store_true", help="ask for logprobs (shown with --json)")
     p.add_argument("--top-logprobs", type=int, default=None)

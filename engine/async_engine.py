@@ -190,7 +190,7 @@ def _delta(seq: Sequence) -> RequestOutput:
         text=text[seq.num_text_sent:end], finished=seq.is_finished,
         finish_reason=reason.public if reason else None, stop_reason=reason.value if reason else None,
         num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=seq.num_generated_tokens,
-        num_cached_tokens=seq.num_cached_tokens,
+        num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics(),
         logprobs=seq.logprobs[seq.num_tokens_sent:seq.num_generated_tokens] if seq.params.logprobs else None)
     seq.num_text_sent, seq.num_tokens_sent = end, seq.num_generated_tokens
     return out

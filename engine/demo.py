@@ -12,7 +12,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 DEMO_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=2048)
-_DEMO_VERSION = "2"
+_DEMO_VERSION = "3"
 
 
 def build_byte_tokenizer(vocab_size: int | None = None):
@@ -87,7 +87,7 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printab
         with torch.no_grad():
             head = model.get_output_embeddings().weight
             head[~keep] = 0
-            head[keep] *= 20
+            head[keep] *= 6
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

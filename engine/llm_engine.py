@@ -226,6 +226,7 @@ def _choice_output(seq: Sequence) -> RequestOutput:
         finished=seq.is_finished, finish_reason=reason.public if reason else None,
         stop_reason=reason.value if reason else None, num_prompt_tokens=seq.num_prompt_tokens,
         num_generated_tokens=seq.num_generated_tokens, num_cached_tokens=seq.num_cached_tokens,
+        metrics=seq.metrics(),
         logprobs=list(seq.logprobs) if seq.params.logprobs else None, error=seq.error)
 
 

@@ -9,6 +9,14 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """time.monotonic() stamps of a completion's life in the engine."""
+    arrival_time: float
+    first_scheduled_time: float | None  # admitted into the running batch (queue time ends)
+    first_token_time: float | None
+
+
 @dataclass
 class RequestOutput:
     """A whole completion (LLM.generate) or what is new since the last one (AsyncEngine.generate):
@@ -26,6 +34,7 @@ class RequestOutput:
     error: str | None = None  # the message when finish_reason is "error"
     index: int = 0  # which of the request's n completions this is
     choices: list["RequestOutput"] = field(default_factory=list)  # LLM.generate: all n completions
+    metrics: RequestMetrics | None = None
 
 
 @dataclass(frozen=True)

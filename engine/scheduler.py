@@ -1,5 +1,6 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption."""
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -88,6 +89,7 @@ class Scheduler:
             self.block_manager.allocate(seq, cached + n, hits)
             seq.num_computed_tokens = cached
             if seq.status is SequenceStatus.WAITING:  # first admission, not a recompute
+                seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
                 self.num_prompt_tokens_seen += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_tokens
@@ -119,6 +121,8 @@ class Scheduler:
                 continue
             seq.token_ids.append(sampled[j])
             j += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
             updated.append(seq)
             reason = check_stop(seq, self.max_model_len)
             if reason is not None:

@@ -1,7 +1,9 @@
 """A request's state as it moves through the engine."""
 import itertools
+import time
 from enum import Enum
 
+from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
 
@@ -55,6 +57,9 @@ class Sequence:
         self.priority = priority
         self.eos_token_ids = eos_token_ids
         self.arrival = next(_arrival)
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # first admitted into the running batch
+        self.first_token_time: float | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None  # why, when finish_reason is ERROR
@@ -78,6 +83,9 @@ class Sequence:
     @property
     def generated_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def metrics(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time)
 
     @property
     def is_finished(self) -> bool:

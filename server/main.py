@@ -50,6 +50,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=int, default=1024)
     opt("--attention-backend", "ATTENTION_BACKEND", "attention implementation (default: auto)", default="auto",
         choices=["auto", "torch", "triton"])
+    opt("--enforce-eager", "ENFORCE_EAGER", "no CUDA graphs for decode steps (default: off, graphs on CUDA)",
+        default="off", choices=["on", "off"])
     opt("--prefix-caching", "PREFIX_CACHING", "reuse the KV cache of repeated prompt prefixes (default: on)",
         default="on", choices=["on", "off"])
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
@@ -154,6 +156,7 @@ def engine_config(args: argparse.Namespace):
         max_queue_len=args.max_queue_len,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.prefix_caching == "on",
+        enforce_eager=args.enforce_eager == "on",
     )
 
 

@@ -103,3 +103,9 @@ def test_n_choices_stream_to_the_end(engine):
     assert sorted(finished) == [0, 1, 2]
     for i in range(3):
         assert sum(len(o.token_ids) for o in outs if o.index == i) == 6
+
+
+def test_outputs_carry_engine_timings(engine):
+    outs = asyncio.run(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
+    m = outs[-1].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
