@@ -19,12 +19,9 @@ def build_byte_tokenizer(vocab_size: int | None = None):
     """A byte-level tokenizer: ids 0..255 are bytes, then special tokens, then (to fill a
     larger vocabulary) plain tokens <|extra_N|>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = ByteLevel.alphabet()
-    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
-    vocab = {c: i for i, c in enumerate(byte_chars)}
+    vocab = {char: byte for byte, char in enumerate(_byte_chars())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -36,22 +33,18 @@ def build_byte_tokenizer(vocab_size: int | None = None):
                                    pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
 
 
-def _byte_of(char: str) -> int:
-    from tokenizers.pre_tokenizers import ByteLevel
-    table = getattr(_byte_of, "table", None)
-    if table is None:
-        # GPT-2's byte-to-unicode map: printable bytes map to themselves, the rest above 255
-        printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-        table, extra = {}, 0
-        for b in range(256):
-            if b in printable:
-                table[chr(b)] = b
-            else:
-                table[chr(256 + extra)] = b
-                extra += 1
-        _byte_of.table = table
-    assert len(ByteLevel.alphabet()) == 256
-    return table[char]
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet in byte order: printable bytes stand for themselves, the
+    others for the characters from 256 on."""
+    printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
 
 
 def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printable_output: bool = False,
