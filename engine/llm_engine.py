@@ -216,7 +216,8 @@ class LLMEngine:
 def full_output(seqs: list[Sequence]) -> RequestOutput:
     """A finished request: choice 0's fields at the top, every choice in .choices."""
     choices = [_choice_output(s) for s in seqs]
-    return dataclasses.replace(choices[0], choices=choices)
+    prompt = seqs[0].token_ids[:seqs[0].num_prompt_tokens]
+    return dataclasses.replace(choices[0], choices=choices, prompt_token_ids=prompt)
 
 
 def _choice_output(seq: Sequence) -> RequestOutput:

@@ -35,6 +35,12 @@ class RequestOutput:
     index: int = 0  # which of the request's n completions this is
     choices: list["RequestOutput"] = field(default_factory=list)  # LLM.generate: all n completions
     metrics: RequestMetrics | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)  # filled by LLM.generate
+
+    @property
+    def outputs(self) -> list["RequestOutput"]:
+        """The n completions (vLLM's name for them)."""
+        return self.choices or [self]
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ def test_n_completions_share_prompt_blocks(checkpoint):
     params = SamplingParams(n=4, temperature=1.0, seed=42, max_tokens=8, ignore_eos=True)
     out = llm.generate([prompt], params)[0]
     assert len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
-    assert out.token_ids == out.choices[0].token_ids
+    assert out.token_ids == out.choices[0].token_ids and out.outputs == out.choices
+    assert out.prompt_token_ids == prompt
     assert len({tuple(c.token_ids) for c in out.choices}) > 1, "seeded choices should differ"
     # siblings reuse the first choice's full prompt blocks: 41 + 3 * 9 prompt tokens computed
     assert [c.num_cached_tokens for c in out.choices] == [0, 32, 32, 32]
