@@ -189,3 +189,11 @@ def percentiles(values, ps=(50, 90, 99)) -> dict:
         return {f"p{p}": float("nan") for p in ps} | {"mean": float("nan")}
     arr = np.asarray(values, dtype=np.float64)
     return {f"p{p}": float(np.percentile(arr, p)) for p in ps} | {"mean": float(arr.mean())}
+
+
+def finish_args(args):
+    """Resolve the device and dtype of parsed arguments and apply --threads."""
+    args.device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device)
+    apply_threads(args.threads)
+    return args

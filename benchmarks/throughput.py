@@ -266,11 +266,7 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", help="write the measurements here")
     common.add_results_args(p)
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    args.device = common.resolve_device(args.device)
-    args.dtype = common.resolve_dtype(args.dtype, args.device)
-    common.apply_threads(args.threads)
-    return args
+    return common.finish_args(p.parse_args(argv))
 
 
 def main(argv=None) -> int:

@@ -197,3 +197,15 @@ class ServeProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def wait_all_blocks_free(client, timeout: float = 15.0):
+    """GetStats until every KV block is free and nothing runs or waits; fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = client.stats()
+        if s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 and s.num_waiting == 0:
+            return s
+        if time.monotonic() > deadline:
+            pytest.fail(f"KV blocks not freed: {s}")
+        time.sleep(0.02)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from grpc_fixtures import InProcessServer, engine_config, tiny_checkpoint
+from grpc_fixtures import InProcessServer, engine_config, tiny_checkpoint, wait_all_blocks_free  # noqa: F401
 
 
 class OptionsServer(InProcessServer):
@@ -57,18 +57,6 @@ def running(options=None, **engine_kw):
         yield srv
     finally:
         srv.stop()
-
-
-def wait_all_blocks_free(client, timeout: float = 15.0):
-    """GetStats until every KV block is free and nothing runs or waits; fails after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = client.stats()
-        if s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 and s.num_waiting == 0:
-            return s
-        if time.monotonic() > deadline:
-            pytest.fail(f"KV blocks not freed: {s}")
-        time.sleep(0.02)
 
 
 def server_idle(srv, timeout: float = 10.0) -> None:

@@ -10,7 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from client.client import AsyncClient, Client, collect
-from grpc_fixtures import TINY_VOCAB, InProcessServer, engine_config, failing_step, slow_steps, tiny_checkpoint
+from grpc_fixtures import (TINY_VOCAB, InProcessServer, engine_config, failing_step, slow_steps, tiny_checkpoint,
+                           wait_all_blocks_free)
 from pagoda.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,17 +31,6 @@ def srv():
 def client(srv):
     with Client(srv.target, timeout=60) as c:
         yield c
-
-
-def wait_all_blocks_free(client, timeout=10.0) -> pb.GetStatsResponse:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = client.stats()
-        if s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 and s.num_waiting == 0:
-            return s
-        if time.monotonic() > deadline:
-            pytest.fail(f"KV blocks not freed: {s}")
-        time.sleep(0.02)
 
 
 def same_completion(a, b) -> bool:
