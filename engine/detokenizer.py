@@ -8,6 +8,8 @@ _CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int]):
         self.tokenizer = tokenizer
+        # a fast tokenizer's Rust decoder directly: the Python wrapper costs more than the decoding
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -15,6 +17,8 @@ class IncrementalDetokenizer:
         self._stop_checked = 0  # text before this index holds no stop string
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:

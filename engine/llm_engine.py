@@ -7,7 +7,7 @@ import uuid
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CPU_KV_CACHE_GB, EngineConfig
+from engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.loader import load_hf_config, load_tokenizer, load_weights, resolve_model_path
@@ -57,7 +57,9 @@ class LLMEngine:
         self.started = time.monotonic()
 
     def _resolve(self, config: EngineConfig, path: str) -> EngineConfig:
-        """Fill in what the checkpoint and the memory budget decide."""
+        """Fill in what the checkpoint, the device and the memory budget decide."""
+        if config.max_num_batched_tokens is None:
+            config = dataclasses.replace(config, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS[self.device.type])
         per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(config, per_block)
         if num_blocks < 1:
@@ -274,19 +276,26 @@ def _eos_ids(path: str, hf_config, tokenizer) -> frozenset[int]:
 
 
 def _attention_backend(name: str, device: torch.device):
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    """The attention module for `name` on `device`, or None for the torch (SDPA) implementation."""
+    if name == "torch" or (name == "auto" and device.type not in ("cuda", "cpu")):
         return None
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu"
+        explicit = False
+    else:
+        explicit = True
     try:
-        from engine.layers import triton_attention
+        if name == "triton":
+            from engine.layers import triton_attention as backend
+        else:
+            from engine.layers import cpu_attention as backend
     except ImportError as e:
-        if name == "triton":
-            raise ValueError(f"attention_backend 'triton' is unavailable: {e}") from e
-        log.warning("Triton attention unavailable (%s); using the torch implementation", e)
-        return None
-    ok, why = triton_attention.is_available(device)
-    if not ok:
-        if name == "triton":
-            raise ValueError(f"attention_backend 'triton' is unavailable: {why}")
-        log.warning("Triton attention unavailable (%s); using the torch implementation", why)
-        return None
-    return triton_attention
+        ok, why = False, str(e)
+    else:
+        ok, why = backend.is_available(device)
+    if ok:
+        return backend
+    if explicit:
+        raise ValueError(f"attention_backend {name!r} is unavailable: {why}")
+    log.warning("%s attention unavailable (%s); using the torch implementation", name, why)
+    return None

@@ -23,6 +23,14 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             if attention_backend is not None:
                 layer.backend = attention_backend
+                views = getattr(attention_backend, "cache_views", None)  # a backend's own block layout
+                if views is not None:
+                    layer.k_cache, layer.v_cache = views(layer.k_cache, layer.v_cache)
+        fused = getattr(attention_backend, "fused_ops", None)  # the CPU backend's fused layers
+        if fused is not None:
+            for m in model.modules():
+                if hasattr(type(m), "fused_ops"):
+                    m.fused_ops = fused
 
     @staticmethod
     def kv_bytes_per_block(hf_model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:

@@ -43,13 +43,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--block-size", "BLOCK_SIZE", "tokens per KV cache block (default: 16)", type=int, default=16)
     opt("--num-kv-blocks", "NUM_KV_BLOCKS", "KV cache blocks (default: from the memory budget)", type=int)
     opt("--max-num-seqs", "MAX_NUM_SEQS", "most requests running at once (default: 256)", type=int, default=256)
-    opt("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS", "most tokens per engine step (default: 8192)",
-        type=int, default=8192)
+    opt("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS",
+        "most tokens per engine step (default: 8192 on CUDA, 512 on CPU)", type=int)
     opt("--max-model-len", "MAX_MODEL_LEN", "context length (default: the checkpoint's)", type=int)
     opt("--max-queue-len", "MAX_QUEUE_LEN", "most waiting requests; more get RESOURCE_EXHAUSTED (default: 1024)",
         type=int, default=1024)
-    opt("--attention-backend", "ATTENTION_BACKEND", "attention implementation (default: auto)", default="auto",
-        choices=["auto", "torch", "triton"])
+    opt("--attention-backend", "ATTENTION_BACKEND", "attention implementation: triton (CUDA), cpu (a C++ op), "
+        "torch (SDPA, anywhere); default auto: triton on CUDA, cpu on CPU", default="auto",
+        choices=["auto", "torch", "triton", "cpu"])
     opt("--enforce-eager", "ENFORCE_EAGER", "no CUDA graphs for decode steps (default: off, graphs on CUDA)",
         default="off", choices=["on", "off"])
     opt("--prefix-caching", "PREFIX_CACHING", "reuse the KV cache of repeated prompt prefixes (default: on)",

@@ -49,17 +49,29 @@ def _check(path, llm_options, expect_preemption=False):
     return llm
 
 
+# "auto" on CPU: pagoda's C++ ops (paged attention, fused norm/activation/rotary); "torch": SDPA
+BACKENDS = ["auto", "torch"]
+
+
+def _uses_cpu_ops(llm) -> bool:
+    backends = {m.backend for m in llm.engine.model.modules() if type(m).__name__ == "Attention"}
+    return [getattr(b, "__name__", "") for b in backends] == ["engine.layers.cpu_attention"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_greedy_matches_transformers(checkpoint, family):
-    _check(checkpoint(family), dict(num_kv_blocks=128))
+def test_greedy_matches_transformers(checkpoint, family, backend):
+    llm = _check(checkpoint(family), dict(num_kv_blocks=128, attention_backend=backend))
+    assert _uses_cpu_ops(llm) == (backend == "auto")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
-def test_greedy_matches_with_preemption_and_chunked_prefill(checkpoint, family):
+def test_greedy_matches_with_preemption_and_chunked_prefill(checkpoint, family, backend):
     # 8 prompts need ~20 blocks of 16; 8 blocks force preemption; a 24-token budget chunks
     # every prompt longer than that (and the 70-token one must fit the whole cache alone).
     llm = _check(checkpoint(family), dict(num_kv_blocks=8, block_size=16, max_num_batched_tokens=24,
-                                          max_model_len=128), expect_preemption=True)
+                                          max_model_len=128, attention_backend=backend), expect_preemption=True)
     assert llm.engine.scheduler.num_preemptions > 0
 
 
@@ -91,12 +103,13 @@ def test_greedy_matches_transformers_with_triton_attention(checkpoint, family):
     assert [o.token_ids for o in outs] == _reference(path, prompts, max_new=6)
 
 
-def test_greedy_matches_with_many_sequences_of_mixed_lengths(checkpoint):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_matches_with_many_sequences_of_mixed_lengths(checkpoint, backend):
     """Enough concurrent decodes that the torch path splits them into length groups."""
     path = checkpoint("llama")
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 90))] for _ in range(24)]
-    llm = LLM(path, num_kv_blocks=256)
+    llm = LLM(path, num_kv_blocks=256, attention_backend=backend)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == _reference(path, prompts)
 

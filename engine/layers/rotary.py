@@ -1,4 +1,6 @@
 """Rotary position embeddings, with inverse frequencies computed the way transformers does."""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -31,8 +33,18 @@ def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
+@dataclass
+class RopeInputs:
+    """What apply_rotary needs for one step's positions, computed once and shared by all layers."""
+    cos: torch.Tensor  # [num_tokens, 1, head_dim] in the model's dtype; fused: the float32 table
+    sin: torch.Tensor
+    positions: torch.Tensor | None = None  # fused only: [num_tokens] int64, the op indexes the tables
+    fused_ops: object = None  # pagoda's CPU ops module, when bound
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (first half with second half), cos/sin tabled for every position."""
+    fused_ops = None  # pagoda's CPU ops, bound by the model runner where they are built
 
     def __init__(self, hf_config, head_dim: int, max_position: int):
         super().__init__()
@@ -42,15 +54,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions, dtype):
-        """positions: [num_tokens] -> (cos, sin): [num_tokens, 1, head_dim], shared by all layers."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+    def forward(self, positions, dtype) -> RopeInputs:
+        # positions: [num_tokens]
+        if self.fused_ops is not None:
+            return RopeInputs(self.cos, self.sin, positions, self.fused_ops)
+        return RopeInputs(self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :])
 
 
-def apply_rotary(q, k, cos_sin):
+def apply_rotary(q, k, rope: RopeInputs):
     # q: [num_tokens, num_heads, head_dim]; k: [num_tokens, num_kv_heads, head_dim]
-    cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    if rope.fused_ops is not None:
+        rope.fused_ops.rotary_(q, k, rope.positions, rope.cos, rope.sin)  # in place
+        return q, k
+    return q * rope.cos + _rotate_half(q) * rope.sin, k * rope.cos + _rotate_half(k) * rope.sin
 
 
 def _rotate_half(x):

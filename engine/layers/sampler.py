@@ -71,7 +71,7 @@ class Sampler:
             apply_penalties(logits, t.penalties)
         if t.banned is not None:
             logits[t.banned] = float("-inf")
-        greedy = logits.argmax(dim=-1)
+        greedy = _argmax(logits)
         if t.all_greedy:
             return greedy, logprobs
         temperature = torch.where(t.is_greedy, 1.0, t.temperature)
@@ -84,8 +84,14 @@ class Sampler:
         race = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in t.generators:
             race[row].exponential_(generator=gen)
-        sampled = (probs / race).argmax(dim=-1)
+        sampled = _argmax(probs / race)
         return torch.where(t.is_greedy, greedy, sampled), logprobs
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    # x: [num_seqs, vocab] -> [num_seqs]; max's indices (the first maximum, as argmax) are 3x
+    # faster than argmax on CPU
+    return x.max(dim=-1).indices
 
 
 def _logprobs(logits: torch.Tensor, k: int):

@@ -8,12 +8,16 @@ from engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
+    fused_ops = None  # pagoda's CPU ops, bound by the model runner where they are built
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x):
+        if self.fused_ops is not None:
+            return self.fused_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -48,6 +52,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    fused_ops = None  # pagoda's CPU ops, bound by the model runner where they are built
+
     def __init__(self, cfg):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
@@ -56,9 +62,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.shard_offsets = (0, cfg.intermediate_size)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = ACT2FN[cfg.hidden_act]
+        self.is_silu = cfg.hidden_act == "silu"
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.fused_ops is not None and self.is_silu:
+            return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

@@ -1,0 +1,91 @@
+"""pagoda's C++ ops for CPU (csrc/): paged attention and its cache write, and fused RMSNorm,
+SiLU-and-mul and rotary embedding. They run in torch's intra-op threads.
+
+They are compiled on first use with torch's cpp_extension (10-30 s, once per machine and CPU kind;
+cached under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and need a C++ compiler; where
+that fails the engine falls back to plain torch with a warning.
+"""
+import glob
+import hashlib
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp")]
+# per CPU capability torch reports, so that a build cache shared between machines stays valid
+_ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+               "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
+_lock = threading.Lock()
+_state: dict = {}  # "ops" or "error", once tried
+
+
+def _build():
+    from torch.utils.cpp_extension import load
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    # torch rebuilds when the sources or flags change; the digest covers the headers too
+    digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in sorted(glob.glob(_CSRC + "/*")))).hexdigest()
+    flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(cap, []), f"-DPAGODA_CSRC_DIGEST={digest[:16]}"]
+    _ninja_on_path()
+    log.info("building pagoda's CPU ops (once per machine; 10-30 s) ...")
+    load(name=f"pagoda_cpu_ops_{cap.lower()}", sources=_SOURCES, extra_cflags=flags,
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    return torch.ops.pagoda
+
+
+def _ninja_on_path() -> None:
+    """The `ninja` wheel's binary, for an environment used without activating it."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
+def ops():
+    """torch.ops.pagoda, built on first call; RuntimeError with the reason if it cannot be."""
+    with _lock:
+        if not _state:
+            try:
+                _state["ops"] = _build()
+            except Exception as e:  # compiler missing, build failure: the caller falls back or reports
+                log.debug("building the CPU ops failed", exc_info=True)
+                lines = str(e).strip().splitlines()
+                _state["error"] = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+        if "error" in _state:
+            raise RuntimeError(f"pagoda's CPU ops could not be built: {_state['error']}")
+        return _state["ops"]
+
+
+def is_available(device: torch.device) -> tuple[bool, str]:
+    """Whether the ops can run on `device`, with the reason."""
+    if torch.device(device).type != "cpu":
+        return False, "pagoda's C++ ops run on CPU tensors only"
+    try:
+        ops()
+    except RuntimeError as e:
+        return False, str(e)
+    return True, "C++ ops on CPU"
+
+
+def rms_norm(x, weight, eps: float):
+    # x: [..., dim] -> same shape
+    return ops().rms_norm(x, weight, eps)
+
+
+def silu_and_mul(x):
+    # x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]
+    return ops().silu_and_mul(x)
+
+
+def rotary_(q, k, positions, cos, sin) -> None:
+    # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], rotated in place;
+    # positions: [num_tokens] int64; cos, sin: [max_position, head_dim] float32
+    ops().rotary_(q, k, positions, cos, sin)

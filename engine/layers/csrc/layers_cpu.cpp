@@ -1,0 +1,143 @@
+// Fused element-wise layers for the CPU: each is one pass over its rows where torch would run
+// five to ten ops, each allocating and reading its input again. Rounding follows transformers'
+// modules: math in float32, results rounded to the tensor's dtype where they round theirs.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "cpu_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+template <typename T>
+void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * dim;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < dim; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / dim + eps);
+      T* o = out + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i)
+        o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
+    }
+  });
+}
+
+// x: [..., dim] -> weight * (x / sqrt(mean(x^2) + eps)), as LlamaRMSNorm
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(dim, 1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "weight must be [dim]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must be in x's dtype");
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows,
+                            dim, static_cast<float>(eps));
+  });
+  return out;
+}
+
+template <typename T>
+void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *gate = x + r * 2 * d, *up = gate + d;
+      T* o = out + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const T act = static_cast<T>(g / (1.f + pagoda::exp_approx(-g)));
+        o[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// x: [rows, 2 * d] (gate | up) -> silu(gate) * up: [rows, d], as LlamaMLP's act_fn(gate) * up
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.size(-1) % 2 == 0, "the last dimension must hold gate and up halves");
+  const int64_t d = x.size(-1) / 2, rows = x.numel() / std::max<int64_t>(2 * d, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = d;
+  at::Tensor out = at::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), rows, d);
+  });
+  return out;
+}
+
+// In place, neox style (first half of each head rotated with the second half):
+// x: [num_tokens, num_heads, head_dim] (last dim contiguous), for q and then k;
+// cos, sin: [max_position, head_dim] float32 tables; positions: [num_tokens] int64.
+void rotary_one(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "q and k must be [num_tokens, num_heads, head_dim]");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t tok_stride = x.stride(0), head_stride = x.stride(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " is outside the rotary table");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float *c = cp + pos[t] * dim, *s = sp + pos[t] * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* v = xp + t * tok_stride + h * head_stride;
+          for (int64_t i = 0; i < half; ++i) {
+            // transformers: x * cos + rotate_half(x) * sin, each product rounded to x's dtype
+            const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
+            const scalar_t c1 = static_cast<scalar_t>(c[i]), s1 = static_cast<scalar_t>(s[i]);
+            const scalar_t c2 = static_cast<scalar_t>(c[i + half]), s2 = static_cast<scalar_t>(s[i + half]);
+            const scalar_t a1 = static_cast<scalar_t>(x1 * static_cast<float>(c1));
+            const scalar_t b1 = static_cast<scalar_t>(-x2 * static_cast<float>(s1));
+            const scalar_t a2 = static_cast<scalar_t>(x2 * static_cast<float>(c2));
+            const scalar_t b2 = static_cast<scalar_t>(x1 * static_cast<float>(s2));
+            v[i] = static_cast<scalar_t>(static_cast<float>(a1) + static_cast<float>(b1));
+            v[i + half] = static_cast<scalar_t>(static_cast<float>(a2) + static_cast<float>(b2));
+          }
+        }
+      }
+    });
+  });
+}
+
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+             const at::Tensor& sin) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
+              "positions must be a contiguous int64 vector");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2,
+              "cos and sin must be contiguous float32 [max_position, head_dim] tables");
+  TORCH_CHECK(q.size(0) == positions.size(0) && k.size(0) == positions.size(0), "a position per token");
+  TORCH_CHECK(q.size(2) == cos.size(1) && k.size(2) == cos.size(1) && cos.size(1) % 2 == 0,
+              "head_dim must match the tables and be even");
+  rotary_one(q, positions, cos, sin);
+  rotary_one(k, positions, cos, sin);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_", &rotary_);
+}

@@ -1,0 +1,296 @@
+// PagedAttention on the CPU. Every query token attends over its sequence's cached keys up to its
+// own position, reading K and V in place from the blocks its block table names (no gather, no
+// padding). One work item is one (token, KV head): the GQA group's query heads share each key and
+// value tile while it is in cache. Decode tokens and prefill chunks go through the same loop.
+//
+// Cache layout, per block and KV head (the same bytes per block as the torch and Triton layout,
+// [block_size, num_kv_heads, head_dim], read another way):
+//   k_cache: [num_blocks, num_kv_heads, head_dim, block_size]  keys transposed: a block's scores
+//            are head_dim broadcast-multiply-adds over block_size lanes, no horizontal sums
+//   v_cache: [num_blocks, num_kv_heads, block_size, head_dim]  rows: a multiply-add per key
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "cpu_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// the next block's tile, while this one is computed: blocks are scattered, the hardware
+// prefetcher only follows a tile once it has started
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
+}
+
+struct Shape {
+  int64_t heads, head_dim, block_size, kv_heads, group, blocks_per_seq, num_blocks;
+  int64_t q_tok, q_head;  // q's strides, in elements
+};
+
+// D_, BS_ > 0: head and block size fixed at compile time (the common ones), so that the
+// accumulators live in registers; 0: sizes known only at run time (D, BS).
+
+// out[j] = sum_d q[d] * kt[d][j] for the BS keys of one block; kt: [D, BS]. U independent
+// accumulators hide the multiply-add latency.
+template <typename T, int64_t D_, int64_t BS_>
+inline void block_scores(float* __restrict out, const float* __restrict q, const T* __restrict kt,
+                         int64_t D, int64_t BS) {
+  if constexpr (D_ > 0 && BS_ > 0 && D_ % 4 == 0) {
+    constexpr int64_t U = 4;
+    float acc[U][BS_] = {};
+    for (int64_t d = 0; d < D_; d += U)
+      for (int64_t u = 0; u < U; ++u) {
+        const float qd = q[d + u];
+#pragma omp simd
+        for (int64_t j = 0; j < BS_; ++j) acc[u][j] += qd * static_cast<float>(kt[(d + u) * BS_ + j]);
+      }
+    for (int64_t j = 0; j < BS_; ++j) out[j] = (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]);
+  } else {
+    std::fill(out, out + BS, 0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float qd = q[d];
+#pragma omp simd
+      for (int64_t j = 0; j < BS; ++j) out[j] += qd * static_cast<float>(kt[d * BS + j]);
+    }
+  }
+}
+
+// out[d] += sum_j p[j] * v[j][d] over the first m keys of one block; v: [BS, D]
+template <typename T, int64_t D_>
+inline void block_weighted_sum(float* __restrict out, const float* __restrict p, const T* __restrict v,
+                               int64_t m, int64_t D) {
+  if constexpr (D_ > 0) {
+    constexpr int64_t U = D_ <= 64 ? 4 : 2;
+    float acc[U][D_] = {};
+    int64_t j = 0;
+    for (; j + U <= m; j += U)
+      for (int64_t u = 0; u < U; ++u) {
+        const float pj = p[j + u];
+#pragma omp simd
+        for (int64_t d = 0; d < D_; ++d) acc[u][d] += pj * static_cast<float>(v[(j + u) * D_ + d]);
+      }
+    for (; j < m; ++j)
+#pragma omp simd
+      for (int64_t d = 0; d < D_; ++d) acc[0][d] += p[j] * static_cast<float>(v[j * D_ + d]);
+    for (int64_t u = 0; u < U; ++u)
+#pragma omp simd
+      for (int64_t d = 0; d < D_; ++d) out[d] += acc[u][d];
+  } else {
+    for (int64_t j = 0; j < m; ++j) {
+      const float pj = p[j];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[d] += pj * static_cast<float>(v[j * D + d]);
+    }
+  }
+}
+
+// row[0, n) -> exp(row - max(row)) in place; returns 1 / their sum
+inline float softmax_unnormalized(float* row, int64_t n) {
+  // max over 16 lanes, then across them: a plain max reduction does not vectorize
+  float lanes[16];
+  std::fill(lanes, lanes + 16, row[0]);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int64_t l = 0; l < 16; ++l) lanes[l] = row[j + l] > lanes[l] ? row[j + l] : lanes[l];
+  for (; j < n; ++j) lanes[0] = row[j] > lanes[0] ? row[j] : lanes[0];
+  const float mx = *std::max_element(lanes, lanes + 16);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (j = 0; j < n; ++j) {
+    row[j] = pagoda::exp_approx(row[j] - mx);
+    sum += row[j];
+  }
+  return 1.f / sum;
+}
+
+template <typename T, int64_t D_, int64_t BS_>
+void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* tables,
+            const std::vector<int64_t>& seq_of, const std::vector<int64_t>& pos_of, float scale,
+            const Shape& s) {
+  const int64_t D = D_ ? D_ : s.head_dim, BS = BS_ ? BS_ : s.block_size, G = s.group;
+  const int64_t head_stride = D * BS, block_stride = s.kv_heads * head_stride;
+  const int64_t num_items = static_cast<int64_t>(seq_of.size()) * s.kv_heads;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(D), acc(D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t n = pos_of[t] + 1;  // the keys this token sees
+      if (n <= 0) {  // a padding row (context 0): zeros
+        std::fill(out + t * s.heads * D + h * G * D, out + t * s.heads * D + (h + 1) * G * D, static_cast<T>(0));
+        continue;
+      }
+      const int64_t num_blocks = (n + BS - 1) / BS;
+      const int32_t* table = tables + seq_of[t] * s.blocks_per_seq;
+      for (int64_t b = 0; b < num_blocks; ++b)
+        TORCH_CHECK(table[b] >= 0 && table[b] < s.num_blocks, "block table entry ", table[b],
+                    " is outside the cache (", s.num_blocks, " blocks)");
+      scores.resize(num_blocks * BS);  // the tail of the last block past n is computed and ignored
+      // one query head at a time: after the first, this item's K and V come from the core's cache
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qh = q + t * s.q_tok + (h * G + g) * s.q_head;
+        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          if (g == 0 && b + 1 < num_blocks) prefetch(k_cache + table[b + 1] * block_stride + h * head_stride, head_stride);
+          block_scores<T, D_, BS_>(&scores[b * BS], qf.data(), k_cache + table[b] * block_stride + h * head_stride,
+                                   D, BS);
+        }
+        const float inv = softmax_unnormalized(scores.data(), n);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          if (g == 0 && b + 1 < num_blocks) prefetch(v_cache + table[b + 1] * block_stride + h * head_stride, head_stride);
+          block_weighted_sum<T, D_>(acc.data(), &scores[b * BS], v_cache + table[b] * block_stride + h * head_stride,
+                                    std::min(BS, n - b * BS), D);
+        }
+        T* oh = out + (t * s.heads + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T, int64_t D>
+void attend_bs(T* out, const T* q, const T* kc, const T* vc, const int32_t* tables, const std::vector<int64_t>& seq_of,
+               const std::vector<int64_t>& pos_of, float scale, const Shape& s) {
+  if (s.block_size == 16) return attend<T, D, 16>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+  return attend<T, D, 0>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+}
+
+template <typename T>
+void attend_any(T* out, const T* q, const T* kc, const T* vc, const int32_t* tables,
+                const std::vector<int64_t>& seq_of, const std::vector<int64_t>& pos_of, float scale,
+                const Shape& s) {
+  switch (s.head_dim) {
+    case 32: return attend_bs<T, 32>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+    case 64: return attend_bs<T, 64>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+    case 128: return attend_bs<T, 128>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+    default: return attend_bs<T, 0>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+  }
+}
+
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "the caches must have 4 dimensions");
+  TORCH_CHECK(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(1) &&
+                  k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
+              "k_cache must be [num_blocks, num_kv_heads, head_dim, block_size] and v_cache "
+              "[num_blocks, num_kv_heads, block_size, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the caches must share a dtype");
+}
+
+// q: [num_tokens, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32;
+// query_start_loc: [num_seqs + 1] int32, or None for one token per sequence; context_lens:
+// [num_seqs] int32, each sequence's length including its new tokens, which are its last ones
+// (0: a padding row, whose output is zeros). Returns out: [num_tokens, num_heads, head_dim].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
+                           const at::Tensor& context_lens, double scale) {
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q must be 3-d, in the caches' dtype");
+  TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0, "q does not match the cache");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables must be a contiguous int32 matrix");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() && context_lens.dim() == 1,
+              "context_lens must be a contiguous int32 vector");
+  const int64_t num_tokens = q.size(0), num_seqs = context_lens.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables has ", block_tables.size(0), " rows for ",
+              num_seqs, " sequences");
+  Shape s{q.size(1), q.size(2), k_cache.size(3), k_cache.size(1), q.size(1) / k_cache.size(1),
+          block_tables.size(1), k_cache.size(0), q.stride(0), q.stride(1)};
+
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < num_seqs; ++i)
+    TORCH_CHECK(ctx[i] >= 0 && ctx[i] <= s.blocks_per_seq * s.block_size, "context length ", ctx[i],
+                " of sequence ", i, " is not in [0, block_tables width * block_size]");
+  std::vector<int64_t> seq_of(num_tokens), pos_of(num_tokens);
+  if (query_start_loc.has_value()) {
+    const at::Tensor& qsl = *query_start_loc;
+    TORCH_CHECK(qsl.scalar_type() == at::kInt && qsl.is_contiguous() && qsl.numel() == num_seqs + 1,
+                "query_start_loc must be int32 with num_seqs + 1 entries");
+    const int32_t* loc = qsl.data_ptr<int32_t>();
+    TORCH_CHECK(loc[0] == 0 && loc[num_seqs] == num_tokens, "query_start_loc must span q's tokens");
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      const int64_t len = loc[i + 1] - loc[i];
+      TORCH_CHECK(len >= 0 && len <= ctx[i], "sequence ", i, " has more new tokens than context");
+      for (int64_t j = 0; j < len; ++j) {
+        seq_of[loc[i] + j] = i;
+        pos_of[loc[i] + j] = ctx[i] - len + j;
+      }
+    }
+  } else {
+    TORCH_CHECK(num_tokens == num_seqs, "without query_start_loc there is one token per sequence");
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      seq_of[i] = i;
+      pos_of[i] = ctx[i] - 1;
+    }
+  }
+
+  at::Tensor out = at::empty({num_tokens, s.heads, s.head_dim}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    attend_any<scalar_t>(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
+                         v_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int32_t>(), seq_of, pos_of,
+                         static_cast<float>(scale), s);
+  });
+  return out;
+}
+
+// k, v: [num_tokens, num_kv_heads, head_dim] into the slots slot_mapping names (block * block_size
+// + offset); tokens with a negative slot are skipped.
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
+              "k and v must be [num_tokens, num_kv_heads, head_dim] matching the cache");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "k and v must be in the caches' dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k's and v's last dimension must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              "slot_mapping must be int64 with a slot per token");
+  const int64_t num_tokens = k.size(0), KVH = k.size(1), D = k.size(2), BS = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * BS;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache (", num_slots, " slots)");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
+    const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+    scalar_t *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
+    const int64_t k_tok = k.stride(0), k_head = k.stride(1), v_tok = v.stride(0), v_head = v.stride(1);
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;
+        const int64_t block = slots[t] / BS, off = slots[t] % BS;
+        for (int64_t h = 0; h < KVH; ++h) {
+          const scalar_t* kt = kp + t * k_tok + h * k_head;
+          const scalar_t* vt = vp + t * v_tok + h * v_head;
+          scalar_t* kd = kc + ((block * KVH + h) * D) * BS + off;  // [D, BS] column off
+          scalar_t* vd = vc + ((block * KVH + h) * BS + off) * D;  // [BS, D] row off
+          for (int64_t d = 0; d < D; ++d) kd[d * BS] = kt[d];
+          std::memcpy(vd, vt, D * sizeof(scalar_t));
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagoda, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor? query_start_loc, Tensor context_lens, float scale) -> Tensor");
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv_cache", &write_kv_cache);
+}

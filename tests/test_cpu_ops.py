@@ -1,0 +1,156 @@
+"""pagoda's C++ CPU ops against the plain torch code they replace: paged attention (decode and
+prefill over a cached context, ragged lengths, scattered blocks, GQA), the cache write in the ops'
+own block layout, and the fused RMSNorm / SiLU-and-mul / rotary layers."""
+import random
+
+import pytest
+import torch
+
+from engine.layers import attention as ref
+from engine.layers import cpu_attention, cpu_ops
+from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.models.llama import RMSNorm
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    ok, why = cpu_ops.is_available("cpu")
+    assert ok, why  # CI has a compiler: a failed build must fail here, not fall back silently
+
+
+def _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
+    """Random K/V in the standard layout, copied into the ops' layout through their own write."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    k_ops, v_ops = cpu_attention.cache_views(torch.empty_like(k), torch.empty_like(v))
+    slots = torch.arange(num_blocks * block_size)
+    cpu_attention.write_kv_cache(k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim),
+                                 k_ops, v_ops, slots)
+    return (k, v), (k_ops, v_ops)
+
+
+def _tables(context_lens, block_size, num_blocks, seed=0):
+    """Each sequence gets distinct blocks, scattered over the cache; rows padded with -1."""
+    rng = random.Random(seed)
+    need = [-(-n // block_size) for n in context_lens]
+    ids = rng.sample(range(num_blocks), sum(need))
+    width = max(need)
+    tables = torch.full((len(context_lens), width), -1, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = torch.tensor(ids[at:at + n], dtype=torch.int32)
+        at += n
+    return tables
+
+
+CASES = [  # dtype, head_dim, num_heads, num_kv_heads, block_size
+    (torch.float32, 32, 8, 4, 16),
+    (torch.float32, 64, 8, 8, 16),
+    (torch.float32, 128, 16, 2, 16),
+    (torch.float32, 48, 6, 3, 8),  # a head size with no compiled-in specialisation
+    (torch.float32, 80, 4, 1, 32),
+    (torch.bfloat16, 64, 8, 2, 16),
+    (torch.float16, 128, 4, 4, 16),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size", CASES)
+def test_decode_attention_matches_torch(dtype, head_dim, num_heads, num_kv_heads, block_size):
+    context_lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5, 70, 2]
+    num_blocks = 64
+    (k, v), (k_ops, v_ops) = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = _tables(context_lens, block_size, num_blocks)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(len(context_lens), num_heads, head_dim).to(dtype)
+    got = cpu_attention.decode_attention(q, k_ops, v_ops, tables, lens, head_dim ** -0.5)
+    want = ref.decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
+    assert got.shape == q.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size", CASES)
+def test_prefill_attention_over_a_cached_context_matches_torch(dtype, head_dim, num_heads, num_kv_heads,
+                                                               block_size):
+    # (new tokens, context including them): a fresh prompt, chunks after a cached prefix, single tokens
+    shapes = [(20, 20), (5, 37), (1, 9), (block_size, 2 * block_size), (33, 33), (1, 1)]
+    num_blocks = 64
+    (k, v), (k_ops, v_ops) = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=1)
+    tables = _tables([c for _, c in shapes], block_size, num_blocks, seed=1)
+    lens = torch.tensor([c for _, c in shapes], dtype=torch.int32)
+    query_lens = torch.tensor([n for n, _ in shapes])
+    start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), query_lens.cumsum(0)]).to(torch.int32)
+    q = torch.randn(int(query_lens.sum()), num_heads, head_dim).to(dtype)
+    got = cpu_attention.prefill_attention(q, k_ops, v_ops, tables, start_loc, lens, 0.2, int(query_lens.max()))
+    want = ref.prefill_attention(q, k, v, tables, start_loc, lens, 0.2, int(query_lens.max()))
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_padding_rows_give_zeros():
+    (_, _), (k_ops, v_ops) = _cache(8, 16, 2, 32, torch.float32)
+    q = torch.randn(3, 4, 32)
+    tables = torch.tensor([[0, 1], [-1, -1], [2, -1]], dtype=torch.int32)
+    out = cpu_attention.decode_attention(q, k_ops, v_ops, tables, torch.tensor([20, 0, 3], dtype=torch.int32), 0.1)
+    assert torch.equal(out[1], torch.zeros(4, 32)) and out[[0, 2]].abs().sum() > 0
+
+
+def test_write_skips_negative_slots_and_lands_where_attention_reads():
+    num_blocks, block_size, kvh, d = 4, 16, 2, 32
+    k_std, v_std = torch.zeros(num_blocks, block_size, kvh, d), torch.zeros(num_blocks, block_size, kvh, d)
+    k_ops, v_ops = cpu_attention.cache_views(torch.zeros_like(k_std), torch.zeros_like(v_std))
+    k, v = torch.randn(5, kvh, d), torch.randn(5, kvh, d)
+    slots = torch.tensor([3, -1, 17, 63, -1])
+    ref.write_kv_cache(k, v, k_std, v_std, slots)
+    cpu_attention.write_kv_cache(k, v, k_ops, v_ops, slots)
+    # the same memory read in the standard layout: keys transposed per block and head
+    assert torch.equal(k_ops.permute(0, 3, 1, 2), k_std) and torch.equal(v_ops.permute(0, 2, 1, 3), v_std)
+    assert k_std.view(-1, kvh, d)[[0, 1, 2, 4]].abs().sum() == 0  # nothing written where no slot pointed
+
+
+def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
+    (_, _), (k_ops, v_ops) = _cache(4, 16, 2, 32, torch.float32)
+    q = torch.randn(1, 4, 32)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_attention.decode_attention(q, k_ops, v_ops, torch.tensor([[0, 9]], dtype=torch.int32),
+                                       torch.tensor([20], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_attention.decode_attention(q, k_ops, v_ops, torch.tensor([[0]], dtype=torch.int32),
+                                       torch.tensor([17], dtype=torch.int32), 0.1)
+    with pytest.raises(RuntimeError, match="slot"):
+        cpu_attention.write_kv_cache(torch.randn(1, 2, 32), torch.randn(1, 2, 32), k_ops, v_ops, torch.tensor([64]))
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_attention.decode_attention(q.double(), k_ops, v_ops, torch.tensor([[0]], dtype=torch.int32),
+                                       torch.tensor([3], dtype=torch.int32), 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layers_match_the_torch_modules(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    norm.weight.data.normal_()
+    for x in (torch.randn(37, 96).to(dtype), torch.randn(5, 3, 96).to(dtype)[:, 1]):  # also a strided view
+        _assert_equalish(cpu_ops.rms_norm(x, norm.weight, 1e-6), norm(x), dtype)
+    gate_up = torch.randn(37, 2 * 120).to(dtype)
+    want = torch.nn.functional.silu(gate_up[:, :120]) * gate_up[:, 120:]
+    _assert_equalish(cpu_ops.silu_and_mul(gate_up), want, dtype)
+
+    from transformers import LlamaConfig
+    rotary = RotaryEmbedding(LlamaConfig(hidden_size=256, num_attention_heads=8), 32, 512)
+    positions = torch.randint(0, 512, (37,))
+    qkv = torch.randn(37, 8 * 32 + 2 * 4 * 32).to(dtype)
+    q, k = qkv[:, :256].view(37, 8, 32), qkv[:, 256:384].view(37, 4, 32)  # strided views, as in the model
+    want_q, want_k = apply_rotary(q, k, rotary(positions, dtype))
+    rotary.fused_ops = cpu_ops
+    got_q, got_k = apply_rotary(q, k, rotary(positions, dtype))  # in place
+    _assert_equalish(got_q, want_q, dtype)
+    _assert_equalish(got_k, want_k, dtype)
+    assert got_q.data_ptr() == qkv.data_ptr()
+
+
+def _assert_equalish(got, want, dtype):
+    if dtype == torch.float32:  # the same math; a fused multiply-add may round the last bit differently
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # bf16: rounded where transformers rounds, so equal
+        assert torch.equal(got, want)
