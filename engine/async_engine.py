@@ -72,10 +72,17 @@ class AsyncEngine:
             self._num_pending += len(seqs)
             self._inbox.append(("add", seqs))
             self._cv.notify()
-        unfinished = len(seqs)
+        unfinished, held = len(seqs), None
         try:
             while unfinished:
-                out = await queue.get()
+                out, held = (held, None) if held is not None else (await queue.get(), None)
+                # a consumer that fell behind the engine gets what piled up as one delta
+                while not isinstance(out, BaseException) and not out.finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if isinstance(nxt, BaseException) or nxt.index != out.index:
+                        held = nxt
+                        break
+                    out = _merge(out, nxt)
                 if isinstance(out, BaseException):
                     raise out
                 unfinished -= out.finished
@@ -194,6 +201,12 @@ def _delta(seq: Sequence) -> RequestOutput:
         logprobs=seq.logprobs[seq.num_tokens_sent:seq.num_generated_tokens] if seq.params.logprobs else None)
     seq.num_text_sent, seq.num_tokens_sent = end, seq.num_generated_tokens
     return out
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one completion as one: b's cumulative counts and state."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=logprobs)
 
 
 def _put_all(items) -> None:

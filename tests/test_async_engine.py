@@ -32,6 +32,27 @@ def test_stream_equals_offline(engine, checkpoint):
     assert outs[-1].num_generated_tokens == 20
 
 
+def test_a_consumer_that_falls_behind_gets_merged_deltas(engine, checkpoint):
+    """Deltas that piled up while the consumer was busy come as one: same tokens, text and
+    logprobs in fewer messages (the per-message cost of a slow stream does not stall the rest)."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2)
+
+    async def slow():
+        outs = []
+        async for o in engine.generate("héllo wörld", params):
+            outs.append(o)
+            await asyncio.sleep(0.05)  # several engine steps pass per message
+        return outs
+    outs = asyncio.run(slow())
+    offline = LLM(checkpoint("llama"), num_kv_blocks=64).generate(["héllo wörld"], params)[0]
+    assert 1 < len(outs) < 40
+    assert sum((o.token_ids for o in outs), []) == offline.token_ids
+    assert "".join(o.text for o in outs) == offline.text
+    assert [lp.token_id for o in outs for lp in o.logprobs] == offline.token_ids
+    assert [o.num_generated_tokens for o in outs] == sorted({o.num_generated_tokens for o in outs})
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+
+
 def test_concurrent_streams_get_their_own_tokens(engine):
     async def main():
         ps = [SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True) for i in range(8)]

@@ -16,9 +16,12 @@
 
 namespace {
 
+// rows per thread: at least ~32k elements, below which a parallel region costs more than it saves
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
 template <typename T>
 void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
       float ss = 0.f;
@@ -49,7 +52,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
 
 template <typename T>
 void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T *gate = x + r * 2 * d, *up = gate + d;
       T* o = out + r * d;
@@ -91,7 +94,7 @@ void rotary_one(at::Tensor& x, const at::Tensor& positions, const at::Tensor& co
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " is outside the rotary table");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
     scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens, grain(heads * dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const float *c = cp + pos[t] * dim, *s = sp + pos[t] * dim;
         for (int64_t h = 0; h < heads; ++h) {
