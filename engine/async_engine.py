@@ -72,24 +72,8 @@ class AsyncEngine:
             self._num_pending += len(seqs)
             self._inbox.append(("add", seqs))
             self._cv.notify()
-        unfinished, held = len(seqs), None
-        try:
-            while unfinished:
-                out, held = (held, None) if held is not None else (await queue.get(), None)
-                # a consumer that fell behind the engine gets what piled up as one delta
-                while not isinstance(out, BaseException) and not out.finished and not queue.empty():
-                    nxt = queue.get_nowait()
-                    if isinstance(nxt, BaseException) or nxt.index != out.index:
-                        held = nxt
-                        break
-                    out = _merge(out, nxt)
-                if isinstance(out, BaseException):
-                    raise out
-                unfinished -= out.finished
-                yield out
-        finally:
-            if unfinished:
-                self.abort(request_id)
+        async for out in consume(queue, len(seqs), lambda: self.abort(request_id)):
+            yield out
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -147,26 +131,20 @@ class AsyncEngine:
             self._deliver(seq)
 
     def _fail_all(self) -> list[Sequence]:
-        seqs = [s for group in self.engine.requests.values() for s in group if not s.is_finished]
-        for seq in seqs:
-            self.engine.scheduler.finish(seq, FinishReason.ERROR)
-            seq.error = "internal engine error"
-        self.engine.requests.clear()
-        return seqs
+        return fail_all(self.engine)
 
     def _deliver(self, seq: Sequence) -> None:
         entry = self._queues.get(seq.request_id)
         if entry is None:
             return
-        if seq.finish_reason is FinishReason.ERROR:
+        out = outcome(seq)
+        if isinstance(out, BaseException):
             self._drop(seq.request_id)
-            self._outbox.append((*entry, EngineError(f"request {seq.request_id} failed: {seq.error}")))
-            return
-        if seq.is_finished:
+        elif out.finished:
             self._unfinished[seq.request_id] -= 1
             if not self._unfinished[seq.request_id]:  # the whole request is done
                 self._drop(seq.request_id)
-        self._outbox.append((*entry, _delta(seq)))
+        self._outbox.append((*entry, out))
 
     def _drop(self, request_id: str) -> None:
         del self._queues[request_id]
@@ -183,6 +161,48 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that event loop is closed
                 pass
+
+
+# ---- shared with the engine process (engine/engine_process.py) ----
+
+async def consume(queue: asyncio.Queue, unfinished: int, abort) -> AsyncIterator[RequestOutput]:
+    """A request's deltas from its queue until its `unfinished` sequences have finished; an
+    exception in the queue is raised. Leaving early calls abort()."""
+    held = None
+    try:
+        while unfinished:
+            out, held = (held, None) if held is not None else (await queue.get(), None)
+            # a consumer that fell behind the engine gets what piled up as one delta
+            while not isinstance(out, BaseException) and not out.finished and not queue.empty():
+                nxt = queue.get_nowait()
+                if isinstance(nxt, BaseException) or nxt.index != out.index:
+                    held = nxt
+                    break
+                out = _merge(out, nxt)
+            if isinstance(out, BaseException):
+                raise out
+            unfinished -= out.finished
+            yield out
+    finally:
+        if unfinished:
+            abort()
+
+
+def fail_all(engine: LLMEngine) -> list[Sequence]:
+    """After a step crashed outside the model run: finish every request in flight with an error."""
+    seqs = [s for group in engine.requests.values() for s in group if not s.is_finished]
+    for seq in seqs:
+        engine.scheduler.finish(seq, FinishReason.ERROR)
+        seq.error = "internal engine error"
+    engine.requests.clear()
+    return seqs
+
+
+def outcome(seq: Sequence) -> RequestOutput | EngineError:
+    """What a sequence's consumer gets after a step: its delta, or the error that ended it."""
+    if seq.finish_reason is FinishReason.ERROR:
+        return EngineError(f"request {seq.request_id} failed: {seq.error}")
+    return _delta(seq)
 
 
 def _delta(seq: Sequence) -> RequestOutput:

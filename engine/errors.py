@@ -9,6 +9,9 @@ class InvalidRequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # picklable (it crosses from the engine process)
+        return type(self), (self.field, self.message)
+
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound; retry later."""

@@ -55,6 +55,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="off", choices=["on", "off"])
     opt("--prefix-caching", "PREFIX_CACHING", "reuse the KV cache of repeated prompt prefixes (default: on)",
         default="on", choices=["on", "off"])
+    opt("--engine-process", "ENGINE_PROCESS", "run the engine loop in its own process, so that the server's "
+        "Python never holds the engine's GIL (default: on; off: a thread of the server process)",
+        default="on", choices=["on", "off"])
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
         f"(default: {DEFAULT_GRACE_S:g})", type=float, default=DEFAULT_GRACE_S)
     opt("--log-level", "LOG_LEVEL", "logging level (default: INFO)", default="INFO")
@@ -163,6 +166,10 @@ def engine_config(args: argparse.Namespace):
 
 def _build_engine(args: argparse.Namespace):
     """Runs in the loading thread: importing torch and the engine is part of loading."""
+    if getattr(args, "engine_process", "on") == "on":
+        from engine.engine_process import ProcessEngine
+
+        return ProcessEngine(engine_config(args))
     from engine import AsyncEngine
 
     return AsyncEngine(engine_config(args))
