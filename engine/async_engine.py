@@ -2,6 +2,7 @@
 queue of deltas. add/abort cross into the loop through an inbox; outputs cross back with
 one call_soon_threadsafe per event loop per step."""
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -72,8 +73,9 @@ class AsyncEngine:
             self._num_pending += len(seqs)
             self._inbox.append(("add", seqs))
             self._cv.notify()
-        async for out in consume(queue, len(seqs), lambda: self.abort(request_id)):
-            yield out
+        async with contextlib.aclosing(consume(queue, len(seqs), lambda: self.abort(request_id))) as outs:
+            async for out in outs:  # closing this generator closes consume(), which aborts
+                yield out
 
     def abort(self, request_id: str) -> None:
         with self._cv:

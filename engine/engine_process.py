@@ -12,6 +12,7 @@ Messages over one duplex pipe (pickled):
                    ("step", [(request_id, RequestOutput | exception)], stats, num_added) | ("closed",)
 """
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -89,8 +90,9 @@ class ProcessEngine:
             self._unfinished[request_id] = params.n
             self._num_pending += params.n
             self._send(("add", request_id, prompt, params, priority))
-        async for out in consume(queue, params.n, lambda: self.abort(request_id)):
-            yield out
+        async with contextlib.aclosing(consume(queue, params.n, lambda: self.abort(request_id))) as outs:
+            async for out in outs:  # closing this generator closes consume(), which aborts
+                yield out
 
     def abort(self, request_id: str) -> None:
         with self._lock:

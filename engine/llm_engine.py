@@ -279,11 +279,9 @@ def _attention_backend(name: str, device: torch.device):
     """The attention module for `name` on `device`, or None for the torch (SDPA) implementation."""
     if name == "torch" or (name == "auto" and device.type not in ("cuda", "cpu")):
         return None
-    if name == "auto":
+    explicit = name != "auto"
+    if not explicit:
         name = "triton" if device.type == "cuda" else "cpu"
-        explicit = False
-    else:
-        explicit = True
     try:
         if name == "triton":
             from engine.layers import triton_attention as backend

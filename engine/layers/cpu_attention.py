@@ -65,3 +65,6 @@ def _sequence_kv(k_cache, v_cache, block_table, n: int):
     k = k_cache[blocks].permute(1, 0, 3, 2).reshape(num_kv_heads, num_blocks * block_size, head_dim)
     v = v_cache[blocks].permute(1, 0, 2, 3).reshape(num_kv_heads, num_blocks * block_size, head_dim)
     return k[:, :n], v[:, :n]
+
+
+__all__ = ["is_available", "fused_ops", "cache_views", "write_kv_cache", "decode_attention", "prefill_attention"]
