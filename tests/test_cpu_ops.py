@@ -173,3 +173,21 @@ def test_bfloat16_engine_with_cpu_ops_agrees_with_torch(checkpoint, family):
     assert all(len(t) == 8 for t in outs["auto"])
     first = sum(a[:4] == b[:4] for a, b in zip(outs["auto"], outs["torch"]))
     assert first >= len(prompts) - 1
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path, monkeypatch):
+    """torch's build lock survives a killed build; left alone, every later start would hang on it."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory("pagoda_lock_test", False), "lock")
+    open(lock, "w").close()
+    cpu_ops._clear_stale_lock("pagoda_lock_test")
+    assert os.path.exists(lock)  # a build may be running right now
+    old = time.time() - cpu_ops._STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    cpu_ops._clear_stale_lock("pagoda_lock_test")
+    assert not os.path.exists(lock)

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -20,6 +21,7 @@ _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "l
 # per CPU capability torch reports, so that a build cache shared between machines stays valid
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
+_STALE_LOCK_S = 600
 _lock = threading.Lock()
 _state: dict = {}  # "ops" or "error", once tried
 
@@ -31,11 +33,27 @@ def _build():
     # torch rebuilds when the sources or flags change; the digest covers the headers too
     digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in sorted(glob.glob(_CSRC + "/*")))).hexdigest()
     flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(cap, []), f"-DPAGODA_CSRC_DIGEST={digest[:16]}"]
+    name = f"pagoda_cpu_ops_{cap.lower()}"
     _ninja_on_path()
-    log.info("building pagoda's CPU ops (once per machine; 10-30 s) ...")
-    load(name=f"pagoda_cpu_ops_{cap.lower()}", sources=_SOURCES, extra_cflags=flags,
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    _clear_stale_lock(name)
+    log.info("loading pagoda's CPU ops (compiled on first use: 10-30 s) ...")
+    load(name=name, sources=_SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+         verbose=False)
     return torch.ops.pagoda
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's build lock outlives a build that was killed (say, Ctrl-C during a first start), and
+    every later build would wait on it forever. A build takes well under _STALE_LOCK_S."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, False), "lock")
+    try:
+        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
+            log.warning("removing %s, left by an interrupted build", lock)
+            os.remove(lock)
+    except OSError:  # no lock: the usual case
+        pass
 
 
 def _ninja_on_path() -> None:
