@@ -130,3 +130,9 @@ def test_padded_decode_path_of_cuda_graphs(checkpoint):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == _reference(path, prompts)
     assert calls and max(calls) == 5
+
+
+@pytest.mark.parametrize("block_size", [8, 128])
+def test_greedy_matches_with_other_block_sizes(checkpoint, block_size):
+    """Block sizes the CPU op has no compiled-in specialisation for, and a block larger than most prompts."""
+    _check(checkpoint("llama"), dict(num_kv_blocks=4096 // block_size, block_size=block_size))
