@@ -28,8 +28,10 @@ class ModelRunner:
                     layer.k_cache, layer.v_cache = views(layer.k_cache, layer.v_cache)
         if device.type == "cpu":
             _column_major_linears(model)
-        fused = getattr(attention_backend, "fused_ops", None)  # the CPU backend's fused layers
-        if fused is not None:
+        # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
+        # conversions do not vectorise; torch's own kernels are faster there)
+        fused = getattr(attention_backend, "fused_ops", None)
+        if fused is not None and dtype == torch.float32:
             for m in model.modules():
                 if hasattr(type(m), "fused_ops"):
                     m.fused_ops = fused

@@ -54,8 +54,13 @@ BACKENDS = ["auto", "torch"]
 
 
 def _uses_cpu_ops(llm) -> bool:
-    backends = {m.backend for m in llm.engine.model.modules() if type(m).__name__ == "Attention"}
-    return [getattr(b, "__name__", "") for b in backends] == ["engine.layers.cpu_attention"]
+    modules = list(llm.engine.model.modules())
+    backends = {m.backend for m in modules if type(m).__name__ == "Attention"}
+    fused = [m.fused_ops is not None for m in modules if hasattr(type(m), "fused_ops")]
+    attention = [getattr(b, "__name__", "") for b in backends] == ["engine.layers.cpu_attention"]
+    # the fused layers come with it (float32; gpt2 has none)
+    assert not fused or (all(fused) == attention and any(fused) == attention)
+    return attention
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

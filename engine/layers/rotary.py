@@ -44,7 +44,7 @@ class RopeInputs:
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (first half with second half), cos/sin tabled for every position."""
-    fused_ops = None  # pagoda's CPU ops, bound by the model runner where they are built
+    fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 models on CPU)
 
     def __init__(self, hf_config, head_dim: int, max_position: int):
         super().__init__()
@@ -57,18 +57,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions, dtype) -> RopeInputs:
         # positions: [num_tokens]
         if self.fused_ops is not None:
-            return RopeInputs(*self._float_tables(), positions, self.fused_ops)
+            return RopeInputs(self.cos, self.sin, positions, self.fused_ops)
         return RopeInputs(self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :])
-
-
-    def _float_tables(self):
-        """The op reads float32 tables; a model cast to bf16/fp16 has rounded its tables (as
-        transformers rounds cos and sin), so the float32 copy holds the same values."""
-        if self.cos.dtype == torch.float32:
-            return self.cos, self.sin
-        if getattr(self, "_float", None) is None or self._float[0].device != self.cos.device:
-            self._float = (self.cos.float(), self.sin.float())
-        return self._float
 
 
 def apply_rotary(q, k, rope: RopeInputs):
