@@ -135,6 +135,14 @@ def make_workload(tokenizer, num_requests, input_len, output_len, seed) -> list[
     return [(rng.choice(pool, size=int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
 
 
+def workloads(args, path: str):
+    """(workload, warm-up) from the workload flags: the warm-up is 4 other random prompts (another
+    seed, so no prefix is shared with the workload), 4 tokens each."""
+    tokenizer = load_tokenizer(path)
+    workload = make_workload(tokenizer, args.num_requests, args.input_len, args.output_len, args.seed)
+    return workload, make_workload(tokenizer, 4, args.input_len, (4, 4), args.seed + 1)
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)

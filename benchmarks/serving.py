@@ -308,9 +308,7 @@ def describe(args, path: str, workload, target: str) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     path = common.model_path(args)
-    tokenizer = common.load_tokenizer(path)
-    workload = common.make_workload(tokenizer, args.num_requests, args.input_len, args.output_len, args.seed)
-    warmup = common.make_workload(tokenizer, 4, args.input_len, (4, 4), args.seed + 1)
+    workload, warmup = common.workloads(args, path)
     with (spawned_server(path, args) if args.spawn_server else contextlib.nullcontext(args.target)) as target:
         records, duration = run_serving(target, workload, warmup, args)
     m = metrics(records, duration)

@@ -272,10 +272,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     path = common.model_path(args)
-    tokenizer = common.load_tokenizer(path)
-    workload = common.make_workload(tokenizer, args.num_requests, args.input_len, args.output_len, args.seed)
-    # warm-up: 4 other random prompts (another seed, so no prefix is shared), 4 tokens each
-    warmup = common.make_workload(tokenizer, 4, args.input_len, (4, 4), args.seed + 1)
+    workload, warmup = common.workloads(args, path)
     summary = workload_summary(args, path, workload)
     print(summary, file=sys.stderr)
     results = []

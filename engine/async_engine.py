@@ -21,24 +21,16 @@ log = logging.getLogger("pagoda.engine")
 _ids = itertools.count()
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig):
-        self.engine = LLMEngine(config)
-        self.config = self.engine.config
-        self.tokenizer = self.engine.tokenizer
-        self.model_info = self.engine.model_info()
-        self._cv = threading.Condition()
-        self._inbox: list[tuple[str, object]] = []
+class EngineFront:
+    """What both asyncio fronts share: the tokenizer's helpers, the stats snapshot, and the
+    per-request queues each step's outputs are routed to. A subclass sets config, tokenizer,
+    _stats and _started, and holds its own lock around _admit, _settle and _close_queues."""
+
+    def _init_requests(self) -> None:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._unfinished: dict[str, int] = {}  # request id -> its sequences not yet delivered finished
-        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
-        self._num_pending = 0  # added but not yet seen by the loop
+        self._num_pending = 0  # sequences added but not yet taken in by the engine loop
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
-        self._stats = self.engine.stats()
-
-    def start(self) -> None:
-        self._thread.start()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -49,7 +41,62 @@ class AsyncEngine:
 
     def stats(self):
         """The snapshot taken after the latest step (uptime read now)."""
-        return dataclasses.replace(self._stats, uptime_s=time.monotonic() - self.engine.started)
+        return dataclasses.replace(self._stats, uptime_s=time.monotonic() - self._started)
+
+    def _admit(self, request_id: str, num_seqs: int) -> asyncio.Queue:
+        """A new request's queue, or QueueFullError / InvalidRequestError (a request id in flight)."""
+        if self._stats.num_waiting + self._num_pending >= self.config.max_queue_len:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
+        if request_id in self._queues:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        self._unfinished[request_id] = num_seqs
+        self._num_pending += num_seqs
+        return queue
+
+    def _settle(self, request_id: str, out) -> tuple | None:
+        """Book one output (a delta or the exception that ended the request) against its request;
+        returns (event loop, queue) to hand it to, or None when the request is gone."""
+        entry = self._queues.get(request_id)
+        if entry is None:
+            return None
+        if isinstance(out, BaseException):
+            self._drop(request_id)
+        elif out.finished:
+            self._unfinished[request_id] -= 1
+            if not self._unfinished[request_id]:  # the whole request is done
+                self._drop(request_id)
+        return entry
+
+    def _drop(self, request_id: str) -> None:
+        del self._queues[request_id]
+        del self._unfinished[request_id]
+
+    def _close_queues(self, error: BaseException) -> list:
+        """Every request still in flight gets `error`: the outbox entries for hand_over."""
+        outbox = [(loop, queue, error) for loop, queue in self._queues.values()]
+        self._queues.clear()
+        self._unfinished.clear()
+        return outbox
+
+
+class AsyncEngine(EngineFront):
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.config = self.engine.config
+        self.tokenizer = self.engine.tokenizer
+        self.model_info = self.engine.model_info()
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, object]] = []
+        self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = []
+        self._init_requests()
+        self._thread = threading.Thread(target=self._loop, name="pagoda-engine", daemon=True)
+        self._stats = self.engine.stats()
+        self._started = self.engine.started
+
+    def start(self) -> None:
+        self._thread.start()
 
     # ---- requests ----
 
@@ -61,16 +108,8 @@ class AsyncEngine:
             raise EngineClosedError("the engine is shut down")
         request_id = request_id or f"req-{next(_ids)}"
         seqs = self.engine.make_sequences(prompt, params, request_id, priority)  # raises InvalidRequestError
-        queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
-            if self._stats.num_waiting + self._num_pending >= self.config.max_queue_len:
-                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); "
-                                     f"retry later")
-            if request_id in self._queues:
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-            self._queues[request_id] = (asyncio.get_running_loop(), queue)
-            self._unfinished[request_id] = len(seqs)
-            self._num_pending += len(seqs)
+            queue = self._admit(request_id, len(seqs))
             self._inbox.append(("add", seqs))
             self._cv.notify()
         async with contextlib.aclosing(consume(queue, len(seqs), lambda: self.abort(request_id))) as outs:
@@ -88,11 +127,7 @@ class AsyncEngine:
             self._cv.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
-        self._outbox = [(loop, queue, EngineClosedError("the engine shut down"))
-                        for loop, queue in self._queues.values()]
-        self._queues.clear()
-        self._unfinished.clear()
-        self._flush()
+        hand_over(self._close_queues(EngineClosedError("the engine shut down")))
 
     # ---- the loop thread ----
 
@@ -111,11 +146,12 @@ class AsyncEngine:
                 updated = self.engine.step()
             except Exception:  # a bug outside the model run; never let the loop die
                 log.exception("engine step crashed")
-                updated = self._fail_all()
+                updated = fail_all(self.engine)
             self._stats = self.engine.stats()
             for seq in updated:
                 self._deliver(seq)
-            self._flush()
+            outbox, self._outbox = self._outbox, []
+            hand_over(outbox)
 
     def _apply(self, kind: str, item) -> None:
         if kind == "add":
@@ -124,45 +160,19 @@ class AsyncEngine:
             try:
                 self.engine.add_sequences(item)
             except Exception as e:
-                entry = self._queues.get(item[0].request_id)
-                if entry is not None:
-                    self._drop(item[0].request_id)
-                    self._outbox.append((*entry, e))
+                self._post(item[0].request_id, e)
             return
         for seq in self.engine.abort(item):
             self._deliver(seq)
 
-    def _fail_all(self) -> list[Sequence]:
-        return fail_all(self.engine)
-
     def _deliver(self, seq: Sequence) -> None:
-        entry = self._queues.get(seq.request_id)
-        if entry is None:
-            return
-        out = outcome(seq)
-        if isinstance(out, BaseException):
-            self._drop(seq.request_id)
-        elif out.finished:
-            self._unfinished[seq.request_id] -= 1
-            if not self._unfinished[seq.request_id]:  # the whole request is done
-                self._drop(seq.request_id)
-        self._outbox.append((*entry, out))
+        if seq.request_id in self._queues:
+            self._post(seq.request_id, outcome(seq))
 
-    def _drop(self, request_id: str) -> None:
-        del self._queues[request_id]
-        del self._unfinished[request_id]
-
-    def _flush(self) -> None:
-        """Hand this step's outputs to their event loops: one wake-up per loop, not per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, queue, item in self._outbox:
-            by_loop.setdefault(loop, []).append((queue, item))
-        self._outbox = []
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop is closed
-                pass
+    def _post(self, request_id: str, out) -> None:
+        entry = self._settle(request_id, out)
+        if entry is not None:
+            self._outbox.append((*entry, out))
 
 
 # ---- shared with the engine process (engine/engine_process.py) ----
@@ -229,6 +239,18 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive deltas of one completion as one: b's cumulative counts and state."""
     logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
     return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=logprobs)
+
+
+def hand_over(outbox) -> None:
+    """Hand (event loop, queue, item) outputs to their event loops: one wake-up per loop, not per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for loop, queue, item in outbox:
+        by_loop.setdefault(loop, []).append((queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that event loop is closed
+            pass
 
 
 def _put_all(items) -> None:

@@ -11,20 +11,18 @@ Messages over one duplex pipe (pickled):
   child -> parent: ("ready", config, model_info, stats, started, tokenizer) | ("error", exception)
                    ("step", [(request_id, RequestOutput | exception)], stats, num_added) | ("closed",)
 """
-import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import multiprocessing
+import pickle
 import signal
 import threading
-import time
 from collections.abc import AsyncIterator
 
-from engine.async_engine import consume, fail_all, outcome
+from engine.async_engine import EngineFront, consume, fail_all, hand_over, outcome
 from engine.config import EngineConfig
-from engine.errors import EngineClosedError, EngineError, InvalidRequestError, QueueFullError
+from engine.errors import EngineClosedError, EngineError, InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -32,7 +30,7 @@ log = logging.getLogger("pagoda.engine")
 _ids = itertools.count()
 
 
-class ProcessEngine:
+class ProcessEngine(EngineFront):
     def __init__(self, config: EngineConfig):
         """Starts the child and waits until it has loaded the model (raising what it raised if not)."""
         ctx = multiprocessing.get_context("spawn")  # fork is unsafe with gRPC's and torch's threads
@@ -50,24 +48,11 @@ class ProcessEngine:
             raise msg[1]
         _, self.config, self.model_info, self._stats, self._started, self.tokenizer = msg
         self._lock = threading.Lock()  # the pipe's send side and the request tables
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._unfinished: dict[str, int] = {}
-        self._num_pending = 0  # sequences sent but not yet taken in by the child
-        self._closed = False
+        self._init_requests()
         self._receiver = threading.Thread(target=self._receive, name="pagoda-engine-receiver", daemon=True)
 
     def start(self) -> None:
         self._receiver.start()
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    def stats(self):
-        return dataclasses.replace(self._stats, uptime_s=time.monotonic() - self._started)
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -77,18 +62,10 @@ class ProcessEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
         request_id = request_id or f"req-{next(_ids)}"
-        queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is shut down")
-            if self._stats.num_waiting + self._num_pending >= self.config.max_queue_len:
-                raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); "
-                                     f"retry later")
-            if request_id in self._queues:
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-            self._queues[request_id] = (asyncio.get_running_loop(), queue)
-            self._unfinished[request_id] = params.n
-            self._num_pending += params.n
+            queue = self._admit(request_id, params.n)
             self._send(("add", request_id, prompt, params, priority))
         async with contextlib.aclosing(consume(queue, params.n, lambda: self.abort(request_id))) as outs:
             async for out in outs:  # closing this generator closes consume(), which aborts
@@ -134,48 +111,16 @@ class ProcessEngine:
             if msg[0] == "closed":
                 return
             _, items, self._stats, num_added = msg
-            self._route(items, num_added)
-
-    def _route(self, items, num_added: int) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        with self._lock:
-            self._num_pending -= num_added
-            for request_id, out in items:
-                entry = self._queues.get(request_id)
-                if entry is None:
-                    continue
-                if isinstance(out, BaseException) or out.finished and self._unfinished[request_id] == 1:
-                    self._drop(request_id)
-                elif out.finished:
-                    self._unfinished[request_id] -= 1
-                by_loop.setdefault(entry[0], []).append((entry[1], out))
-        _hand_over(by_loop)
-
-    def _drop(self, request_id: str) -> None:
-        del self._queues[request_id]
-        del self._unfinished[request_id]
+            with self._lock:
+                self._num_pending -= num_added
+                outbox = [(*entry, out) for request_id, out in items
+                          if (entry := self._settle(request_id, out)) is not None]
+            hand_over(outbox)
 
     def _fail_pending(self, error: BaseException) -> None:
         with self._lock:
-            entries, self._queues, self._unfinished = list(self._queues.values()), {}, {}
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, queue in entries:
-            by_loop.setdefault(loop, []).append((queue, error))
-        _hand_over(by_loop)
-
-
-def _hand_over(by_loop) -> None:
-    """One wake-up per event loop per step, not one per request."""
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # that event loop is closed
-            pass
-
-
-def _put_all(items) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+            outbox = self._close_queues(error)
+        hand_over(outbox)
 
 
 # ---- the child ----
@@ -235,7 +180,6 @@ def _add(engine, request_id, prompt, params, priority) -> list:
 
 
 def _picklable(e: BaseException) -> bool:
-    import pickle
     try:
         pickle.loads(pickle.dumps(e))
     except Exception:  # noqa: BLE001

@@ -20,8 +20,8 @@ def engine(checkpoint):
     eng.shutdown()
 
 
-async def _collect(eng, prompt, params, **kw):
-    return [o async for o in eng.generate(prompt, params, **kw)]
+# the same check as for the in-process front, run here against this module's `engine` fixture
+from test_async_engine import _collect, test_concurrent_streams_get_their_own_tokens  # noqa: E402,F401
 
 
 def test_streams_equal_offline(engine, checkpoint):
@@ -40,17 +40,6 @@ def test_streams_equal_offline(engine, checkpoint):
 def offline_vocab(checkpoint):
     import transformers
     return transformers.AutoConfig.from_pretrained(checkpoint("llama")).vocab_size
-
-
-def test_concurrent_streams_get_their_own_tokens(engine):
-    async def main():
-        ps = [SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True) for i in range(6)]
-        together = await asyncio.gather(*[_collect(engine, [i + 1, 2, 3], p) for i, p in enumerate(ps)])
-        alone = [await _collect(engine, [i + 1, 2, 3], p) for i, p in enumerate(ps)]
-        return together, alone
-    together, alone = asyncio.run(main())
-    for a, b in zip(together, alone):
-        assert sum((o.token_ids for o in a), []) == sum((o.token_ids for o in b), [])
 
 
 def test_a_refused_request_names_the_field(engine):

@@ -90,11 +90,11 @@ class Attention(nn.Module):
         b = self.backend
         b.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
-        if b is not TORCH_BACKEND and nd == q.shape[0]:
+        groups = meta.decode_groups if b is TORCH_BACKEND and meta.decode_groups else ((0, nd, None),)
+        if nd == q.shape[0] and len(groups) == 1:  # decodes only, one call: its output is the layer's
             return b.decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
                                       meta.decode_context_lens, self.scale)
         out = torch.empty_like(q)
-        groups = meta.decode_groups if b is TORCH_BACKEND and meta.decode_groups else ((0, nd, None),)
         for start, end, width in groups if nd else ():
             out[start:end] = b.decode_attention(q[start:end], self.k_cache, self.v_cache,
                                                 meta.decode_block_tables[start:end, :width],

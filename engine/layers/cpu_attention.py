@@ -41,7 +41,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, contex
     if not fresh:
         return ops().paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
     out = torch.empty_like(q)
-    rest = [i for i in range(len(lens)) if i not in set(fresh)]
+    rest = sorted(set(range(len(lens))) - set(fresh))
     if rest:
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest])
         sub_lens = torch.tensor([starts[i + 1] - starts[i] for i in rest])

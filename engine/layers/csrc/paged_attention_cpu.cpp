@@ -23,14 +23,6 @@
 
 namespace {
 
-// the next block's tile, while this one is computed: blocks are scattered, the hardware
-// prefetcher only follows a tile once it has started
-template <typename T>
-inline void prefetch(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
-}
-
 struct Shape {
   int64_t heads, head_dim, block_size, kv_heads, group, blocks_per_seq, num_blocks;
   int64_t q_tok, q_head;  // q's strides, in elements
@@ -138,18 +130,14 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
       for (int64_t g = 0; g < G; ++g) {
         const T* qh = q + t * s.q_tok + (h * G + g) * s.q_head;
         for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          if (g == 0 && b + 1 < num_blocks) prefetch(k_cache + table[b + 1] * block_stride + h * head_stride, head_stride);
+        for (int64_t b = 0; b < num_blocks; ++b)
           block_scores<T, D_, BS_>(&scores[b * BS], qf.data(), k_cache + table[b] * block_stride + h * head_stride,
                                    D, BS);
-        }
         const float inv = softmax_unnormalized(scores.data(), n);
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          if (g == 0 && b + 1 < num_blocks) prefetch(v_cache + table[b + 1] * block_stride + h * head_stride, head_stride);
+        for (int64_t b = 0; b < num_blocks; ++b)
           block_weighted_sum<T, D_>(acc.data(), &scores[b * BS], v_cache + table[b] * block_stride + h * head_stride,
                                     std::min(BS, n - b * BS), D);
-        }
         T* oh = out + (t * s.heads + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[d] * inv);
       }
