@@ -250,3 +250,28 @@ def test_waits_a_step_for_a_prefix_being_computed():
     out = sched.schedule()
     assert out.seqs == [a, b] and out.num_new_tokens == [1, 2] and b.num_cached_tokens == 8
     assert b.block_table[:2] == a.block_table[:2] and bm.blocks[a.block_table[0]].ref_count == 2
+
+
+@pytest.mark.parametrize("num_waiting", [10, 2000])
+def test_a_step_looks_at_the_head_of_the_queue_only(num_waiting):
+    """The scheduler's per-step cost does not grow with the waiting queue: once the head does not
+    fit, nothing behind it is examined (the block manager is asked about one waiting request)."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=64, max_num_batched_tokens=64, max_model_len=64)
+    running = [seq(f"r{i}", 5, max_tokens=40) for i in range(3)]  # 6 of the 8 blocks, room to decode 3
+    for s in running:
+        sched.add(s)
+    first = sched.schedule()
+    assert first.seqs == running
+    sched.postprocess(first, [7, 7, 7])
+    for i in range(num_waiting):
+        sched.add(seq(f"w{i}", 12))  # 3 blocks each: none fits next to the running ones
+    looked = []
+    match = bm.match_prefix
+    bm.match_prefix = lambda s: looked.append(s) or match(s)
+    for _ in range(3):
+        out = sched.schedule()
+        assert out.seqs == running  # decodes only
+        sched.postprocess(out, [7, 7, 7])
+    assert len(looked) == 3  # one waiting request per step, whatever the queue's length
+    assert len(sched.waiting) == num_waiting

@@ -1,0 +1,50 @@
+"""The benchmarks run as a user runs them (the scripts, from the repository root) on a tiny
+workload: every peer finishes every request with its own length, the reports carry what the
+issue asks for. Nothing here is timed; the numbers live in benchmarks/RESULTS.md."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKLOAD = ["--num-requests", "6", "--input-len", "8", "24", "--output-len", "3", "7", "--threads", "1",
+            "--no-progress", "--no-results", "--dtype", "float32", "--device", "cpu"]
+
+
+def _run(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_throughput_against_both_transformers_peers(checkpoint, tmp_path):
+    out = tmp_path / "t.json"
+    r = _run("throughput.py", "--model", checkpoint("llama"), *WORKLOAD, "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    peers = {x["peer"]: x for x in doc["results"]}
+    assert set(peers) == {"pagoda", "hf-generate", "hf-generate-batch"}
+    for name in ("hf-generate", "hf-generate-batch"):
+        assert peers[name]["pagoda_speedup"] > 0
+        # the same work: mostly the same greedy tokens (a padded batch may flip a near-tie of this
+        # random model, so not all)
+        assert peers[name]["agreement"] >= 0.5
+    for x in peers.values():
+        assert x["output_tokens_per_s"] > 0 and x["requests_per_s"] > 0 and x["total_tokens_per_s"] > 0
+    assert doc["command"] and doc["machine"]
+    assert "| pagoda |" in r.stdout and "pagoda speed-up" in r.stdout
+
+
+@pytest.mark.parametrize("load", [["--concurrency", "3"], ["--request-rate", "20"]])
+def test_serving_against_a_spawned_server(checkpoint, tmp_path, load):
+    out = tmp_path / "s.json"
+    r = _run("serving.py", "--spawn-server", "--offline-compare", "--model", checkpoint("llama"), *WORKLOAD,
+             *load, "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(out.read_text())["metrics"]
+    assert (m["completed"], m["failed"]) == (6, 0)  # every stream ended with the tokens it asked for
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(m[key]) >= {"p50", "p90", "p99"}
+    assert m["serving_over_offline"] > 0
+    assert "serving/offline" in r.stdout
