@@ -45,7 +45,7 @@ class EngineFront:
 
     def _admit(self, request_id: str, num_seqs: int) -> asyncio.Queue:
         """A new request's queue, or QueueFullError / InvalidRequestError (a request id in flight)."""
-        if self._stats.num_waiting + self._num_pending >= self.config.max_queue_len:
+        if self._num_queued() >= self.config.max_queue_len:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
         if request_id in self._queues:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
@@ -54,6 +54,10 @@ class EngineFront:
         self._unfinished[request_id] = num_seqs
         self._num_pending += num_seqs
         return queue
+
+    def _num_queued(self) -> int:
+        """Sequences waiting to be scheduled, those not yet taken in by the engine loop included."""
+        raise NotImplementedError
 
     def _settle(self, request_id: str, out) -> tuple | None:
         """Book one output (a delta or the exception that ended the request) against its request;
@@ -138,10 +142,12 @@ class AsyncEngine(EngineFront):
                     self._cv.wait()
                 if self._closed:
                     return
-                inbox, self._inbox = self._inbox, []
+                # Applied under the lock, so that admission always sees a request in exactly one
+                # of the inbox and the scheduler's waiting list.
+                for kind, item in self._inbox:
+                    self._apply(kind, item)
+                self._inbox.clear()
                 self._num_pending = 0
-            for kind, item in inbox:
-                self._apply(kind, item)
             try:
                 updated = self.engine.step()
             except Exception:  # a bug outside the model run; never let the loop die
@@ -152,6 +158,11 @@ class AsyncEngine(EngineFront):
                 self._deliver(seq)
             outbox, self._outbox = self._outbox, []
             hand_over(outbox)
+
+    def _num_queued(self) -> int:
+        # Read live, not from the step's snapshot: requests the current step has just scheduled
+        # no longer count, however long its model run takes.
+        return len(self.engine.scheduler.waiting) + self._num_pending
 
     def _apply(self, kind: str, item) -> None:
         if kind == "add":

@@ -95,6 +95,11 @@ class ProcessEngine(EngineFront):
         except (OSError, ValueError):  # the child is gone; the receiver reports it
             pass
 
+    def _num_queued(self) -> int:
+        # The child's waiting list as of its latest step, plus what it has been sent since; a
+        # request the running step has just scheduled still counts until that step reports.
+        return self._stats.num_waiting + self._num_pending
+
     def _receive(self) -> None:
         while True:
             try:
