@@ -29,65 +29,113 @@ struct Shape {
 };
 
 // D_, BS_ > 0: head and block size fixed at compile time (the common ones), so that the
-// accumulators live in registers; 0: sizes known only at run time (D, BS).
-
-// out[j] = sum_d q[d] * kt[d][j] for the BS keys of one block; kt: [D, BS]. U independent
-// accumulators hide the multiply-add latency.
-template <typename T, int64_t D_, int64_t BS_>
-inline void block_scores(float* __restrict out, const float* __restrict q, const T* __restrict kt,
-                         int64_t D, int64_t BS) {
-  if constexpr (D_ > 0 && BS_ > 0 && D_ % 4 == 0) {
-    constexpr int64_t U = 4;
-    float acc[U][BS_] = {};
-    for (int64_t d = 0; d < D_; d += U)
-      for (int64_t u = 0; u < U; ++u) {
-        const float qd = q[d + u];
-#pragma omp simd
-        for (int64_t j = 0; j < BS_; ++j) acc[u][j] += qd * static_cast<float>(kt[(d + u) * BS_ + j]);
-      }
-    for (int64_t j = 0; j < BS_; ++j) out[j] = (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]);
-  } else {
-    std::fill(out, out + BS, 0.f);
-    for (int64_t d = 0; d < D; ++d) {
-      const float qd = q[d];
-#pragma omp simd
-      for (int64_t j = 0; j < BS; ++j) out[j] += qd * static_cast<float>(kt[d * BS + j]);
-    }
-  }
+// accumulators live in registers; 0: sizes known only at run time. GC query heads of a GQA group
+// go through together, so that each key and value loaded feeds GC multiply-adds.
+// Asks for n elements from p into the cache ahead of their use: a block's chunk of keys or values
+// is too short for the hardware prefetcher to find the stream in time.
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
 }
 
-// out[d] += sum_j p[j] * v[j][d] over the first m keys of one block; v: [BS, D]
-template <typename T, int64_t D_>
-inline void block_weighted_sum(float* __restrict out, const float* __restrict p, const T* __restrict v,
-                               int64_t m, int64_t D) {
-  if constexpr (D_ > 0) {
-    constexpr int64_t U = D_ <= 64 ? 4 : 2;
-    float acc[U][D_] = {};
-    int64_t j = 0;
-    for (; j + U <= m; j += U)
-      for (int64_t u = 0; u < U; ++u) {
-        const float pj = p[j + u];
+template <int64_t D_, int64_t BS_, int64_t GC>
+struct Pass {
+  int64_t D, BS, n, stride;  // head and block size, keys seen, scores' row stride (per head)
+  const int32_t* table;      // the sequence's blocks
+  int64_t block_stride, head_offset;
+
+  // scores[g][j] = sum_d q[g][d] * k_j[d] for the n keys; q: [GC, D], a block's keys: [D, BS]
+  template <typename T>
+  void scores(float* __restrict scores, const float* __restrict q, const T* k_cache, const T* v_cache) const {
+    const int64_t num_blocks = (n + BS - 1) / BS;
+    const int64_t chunk = D * BS;  // one block's keys (or values) of this head
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const T* __restrict kt = k_cache + table[b] * block_stride + head_offset;
+      if (b + 2 < num_blocks) prefetch(k_cache + table[b + 2] * block_stride + head_offset, chunk);
+      prefetch(v_cache + table[b] * block_stride + head_offset, chunk);
+      float* out = scores + b * BS;
+      if constexpr (D_ > 0 && BS_ > 0 && D_ % 4 == 0) {
+        constexpr int64_t U = 8 / GC;  // 8 independent multiply-add chains
+        float acc[GC][U][BS_] = {};
+        for (int64_t d = 0; d < D_; d += U)
+          for (int64_t u = 0; u < U; ++u)
+            for (int64_t g = 0; g < GC; ++g) {
+              const float qd = q[g * D_ + d + u];
 #pragma omp simd
-        for (int64_t d = 0; d < D_; ++d) acc[u][d] += pj * static_cast<float>(v[(j + u) * D_ + d]);
+              for (int64_t j = 0; j < BS_; ++j) acc[g][u][j] += qd * static_cast<float>(kt[(d + u) * BS_ + j]);
+            }
+        for (int64_t g = 0; g < GC; ++g)
+#pragma omp simd
+          for (int64_t j = 0; j < BS_; ++j) {
+            float sum = 0.f;
+            for (int64_t u = 0; u < U; ++u) sum += acc[g][u][j];
+            out[g * stride + j] = sum;
+          }
+      } else {
+        for (int64_t g = 0; g < GC; ++g) {
+          float* o = out + g * stride;
+          std::fill(o, o + BS, 0.f);
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = q[g * D + d];
+#pragma omp simd
+            for (int64_t j = 0; j < BS; ++j) o[j] += qd * static_cast<float>(kt[d * BS + j]);
+          }
+        }
       }
-    for (; j < m; ++j)
-#pragma omp simd
-      for (int64_t d = 0; d < D_; ++d) acc[0][d] += p[j] * static_cast<float>(v[j * D_ + d]);
-    for (int64_t u = 0; u < U; ++u)
-#pragma omp simd
-      for (int64_t d = 0; d < D_; ++d) out[d] += acc[u][d];
-  } else {
-    for (int64_t j = 0; j < m; ++j) {
-      const float pj = p[j];
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) out[d] += pj * static_cast<float>(v[j * D + d]);
     }
   }
-}
+
+  // out[g][d] = sum_j p[g][j] * v_j[d] over the n values; out: [GC, D], a block's values: [BS, D]
+  template <typename T>
+  void weighted_sum(float* __restrict out, const float* __restrict p, const T* v_cache) const {
+    if constexpr (D_ > 0 && BS_ > 0) {
+      constexpr int64_t U = std::max<int64_t>(1, (D_ <= 64 ? 4 : 2) / GC);
+      float acc[GC][U][D_] = {};  // kept across blocks
+      for (int64_t b = 0; b * BS_ < n; ++b) {
+        const T* __restrict v = v_cache + table[b] * block_stride + head_offset;
+        const float* pb = p + b * BS_;
+        const int64_t m = std::min<int64_t>(BS_, n - b * BS_);
+        int64_t j = 0;
+        for (; j + U <= m; j += U)
+          for (int64_t u = 0; u < U; ++u)
+            for (int64_t g = 0; g < GC; ++g) {
+              const float pj = pb[g * stride + j + u];
+#pragma omp simd
+              for (int64_t d = 0; d < D_; ++d) acc[g][u][d] += pj * static_cast<float>(v[(j + u) * D_ + d]);
+            }
+        for (; j < m; ++j)
+          for (int64_t g = 0; g < GC; ++g) {
+            const float pj = pb[g * stride + j];
+#pragma omp simd
+            for (int64_t d = 0; d < D_; ++d) acc[g][0][d] += pj * static_cast<float>(v[j * D_ + d]);
+          }
+      }
+      for (int64_t g = 0; g < GC; ++g)
+#pragma omp simd
+        for (int64_t d = 0; d < D_; ++d) {
+          float sum = 0.f;
+          for (int64_t u = 0; u < U; ++u) sum += acc[g][u][d];
+          out[g * D_ + d] = sum;
+        }
+    } else {
+      std::fill(out, out + GC * D, 0.f);
+      for (int64_t b = 0; b * BS < n; ++b) {
+        const T* v = v_cache + table[b] * block_stride + head_offset;
+        for (int64_t j = 0; j < std::min(BS, n - b * BS); ++j)
+          for (int64_t g = 0; g < GC; ++g) {
+            const float pj = p[g * stride + b * BS + j];
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) out[g * D + d] += pj * static_cast<float>(v[j * D + d]);
+          }
+      }
+    }
+  }
+};
 
 // row[0, n) -> exp(row - max(row)) in place; returns 1 / their sum
 inline float softmax_unnormalized(float* row, int64_t n) {
-  // max over 16 lanes, then across them: a plain max reduction does not vectorize
+  // max over 16 lanes, then across them: a max reduction loop does not vectorize
   float lanes[16];
   std::fill(lanes, lanes + 16, row[0]);
   int64_t j = 0;
@@ -104,7 +152,7 @@ inline float softmax_unnormalized(float* row, int64_t n) {
   return 1.f / sum;
 }
 
-template <typename T, int64_t D_, int64_t BS_>
+template <typename T, int64_t D_, int64_t BS_, int64_t GC>
 void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* tables,
             const std::vector<int64_t>& seq_of, const std::vector<int64_t>& pos_of, float scale,
             const Shape& s) {
@@ -112,7 +160,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   const int64_t head_stride = D * BS, block_stride = s.kv_heads * head_stride;
   const int64_t num_items = static_cast<int64_t>(seq_of.size()) * s.kv_heads;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), acc(D), scores;
+    std::vector<float> qf(GC * D), acc(GC * D), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / s.kv_heads, h = item % s.kv_heads;
       const int64_t n = pos_of[t] + 1;  // the keys this token sees
@@ -125,31 +173,38 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
       for (int64_t b = 0; b < num_blocks; ++b)
         TORCH_CHECK(table[b] >= 0 && table[b] < s.num_blocks, "block table entry ", table[b],
                     " is outside the cache (", s.num_blocks, " blocks)");
-      scores.resize(num_blocks * BS);  // the tail of the last block past n is computed and ignored
-      // one query head at a time: after the first, this item's K and V come from the core's cache
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qh = q + t * s.q_tok + (h * G + g) * s.q_head;
-        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(qh[d]) * scale;
-        for (int64_t b = 0; b < num_blocks; ++b)
-          block_scores<T, D_, BS_>(&scores[b * BS], qf.data(), k_cache + table[b] * block_stride + h * head_stride,
-                                   D, BS);
-        const float inv = softmax_unnormalized(scores.data(), n);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t b = 0; b < num_blocks; ++b)
-          block_weighted_sum<T, D_>(acc.data(), &scores[b * BS], v_cache + table[b] * block_stride + h * head_stride,
-                                    std::min(BS, n - b * BS), D);
-        T* oh = out + (t * s.heads + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[d] * inv);
+      const Pass<D_, BS_, GC> pass{D, BS, n, num_blocks * BS, table, block_stride, h * head_stride};
+      scores.resize(GC * pass.stride);  // the tail of the last block past n is computed and ignored
+      for (int64_t g0 = 0; g0 < G; g0 += GC) {
+        const int64_t first = h * G + g0;  // the first query head of this pass
+        for (int64_t g = 0; g < GC; ++g)
+          for (int64_t d = 0; d < D; ++d)
+            qf[g * D + d] = static_cast<float>(q[t * s.q_tok + (first + g) * s.q_head + d]) * scale;
+        pass.scores(scores.data(), qf.data(), k_cache, v_cache);
+        float inv[GC];
+        for (int64_t g = 0; g < GC; ++g) inv[g] = softmax_unnormalized(&scores[g * pass.stride], n);
+        pass.weighted_sum(acc.data(), scores.data(), v_cache);
+        for (int64_t g = 0; g < GC; ++g) {
+          T* oh = out + (t * s.heads + first + g) * D;
+          for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[g * D + d] * inv[g]);
+        }
       }
     }
   });
 }
 
+template <typename T, int64_t D_, int64_t BS_>
+void attend_gc(T* out, const T* q, const T* kc, const T* vc, const int32_t* tables,
+               const std::vector<int64_t>& seq_of, const std::vector<int64_t>& pos_of, float scale, const Shape& s) {
+  if (s.group % 2 == 0) return attend<T, D_, BS_, 2>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+  return attend<T, D_, BS_, 1>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+}
+
 template <typename T, int64_t D>
 void attend_bs(T* out, const T* q, const T* kc, const T* vc, const int32_t* tables, const std::vector<int64_t>& seq_of,
                const std::vector<int64_t>& pos_of, float scale, const Shape& s) {
-  if (s.block_size == 16) return attend<T, D, 16>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
-  return attend<T, D, 0>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+  if (s.block_size == 16) return attend_gc<T, D, 16>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
+  return attend_gc<T, D, 0>(out, q, kc, vc, tables, seq_of, pos_of, scale, s);
 }
 
 template <typename T>
