@@ -9,7 +9,10 @@ per-request queues, and a receiver thread that hands each step's deltas to the e
 Messages over one duplex pipe (pickled):
   parent -> child: ("add", request_id, prompt, params, priority) | ("abort", request_id) | ("shutdown",)
   child -> parent: ("ready", config, model_info, stats, started, tokenizer) | ("error", exception)
-                   ("step", [(request_id, RequestOutput | exception)], stats, num_added) | ("closed",)
+                   ("queued", num_waiting, num_taken) | ("step", [(request_id, RequestOutput | exception)], stats)
+                   | ("closed",)
+"queued" comes once the child's step has scheduled, when it took in new requests: the waiting
+list then, and how many sequences it took in; the parent's queue limit counts those two numbers.
 """
 import contextlib
 import itertools
@@ -49,6 +52,7 @@ class ProcessEngine(EngineFront):
         _, self.config, self.model_info, self._stats, self._started, self.tokenizer = msg
         self._lock = threading.Lock()  # the pipe's send side and the request tables
         self._init_requests()
+        self._num_waiting = self._stats.num_waiting  # the child's, as it last reported it
         self._receiver = threading.Thread(target=self._receive, name="pagoda-engine-receiver", daemon=True)
 
     def start(self) -> None:
@@ -96,9 +100,9 @@ class ProcessEngine(EngineFront):
             pass
 
     def _num_queued(self) -> int:
-        # The child's waiting list as of its latest step, plus what it has been sent since; a
-        # request the running step has just scheduled still counts until that step reports.
-        return self._stats.num_waiting + self._num_pending
+        # The child's waiting list as it last reported it (after a step's scheduling, or after
+        # the step), plus the requests sent to it since.
+        return self._num_waiting + self._num_pending
 
     def _receive(self) -> None:
         while True:
@@ -115,9 +119,14 @@ class ProcessEngine(EngineFront):
                 return
             if msg[0] == "closed":
                 return
-            _, items, self._stats, num_added = msg
+            if msg[0] == "queued":
+                with self._lock:
+                    self._num_waiting, taken = msg[1], msg[2]
+                    self._num_pending -= taken
+                continue
+            _, items, self._stats = msg
             with self._lock:
-                self._num_pending -= num_added
+                self._num_waiting = self._stats.num_waiting
                 outbox = [(*entry, out) for request_id, out in items
                           if (entry := self._settle(request_id, out)) is not None]
             hand_over(outbox)
@@ -164,13 +173,24 @@ def _child_loop(engine, conn) -> None:
                 items += _add(engine, *cmd[1:])
             else:
                 items += [(s.request_id, outcome(s)) for s in engine.abort(cmd[1])]
+        reported = False
+
+        def report_queue():
+            # Requests taken in are now counted in the scheduler's waiting list, and those this
+            # step admitted no longer are: the parent's queue limit sees that before the model runs.
+            nonlocal reported
+            if num_added and not reported:
+                reported = True
+                conn.send(("queued", len(engine.scheduler.waiting), num_added))
+
         try:
-            updated = engine.step() if engine.has_work() else []
+            updated = engine.step(report_queue) if engine.has_work() else []
         except Exception:  # a bug outside the model run; never let the loop die
             log.exception("engine step crashed")
             updated = fail_all(engine)
+        report_queue()
         items += [(s.request_id, outcome(s)) for s in updated]
-        conn.send(("step", items, engine.stats(), num_added))
+        conn.send(("step", items, engine.stats()))
 
 
 def _add(engine, request_id, prompt, params, priority) -> list:

@@ -165,9 +165,12 @@ class LLMEngine:
 
     # ---- the step ----
 
-    def step(self) -> list[Sequence]:
-        """One engine step; returns the sequences that got a token or finished."""
+    def step(self, on_scheduled=None) -> list[Sequence]:
+        """One engine step; returns the sequences that got a token or finished. on_scheduled() is
+        called once the step's sequences are chosen, before the model runs."""
         sched = self.scheduler.schedule()
+        if on_scheduled is not None:
+            on_scheduled()
         if sched.is_empty:
             return []
         try:

@@ -95,6 +95,39 @@ def test_invalid_request_and_queue_full(engine):
     assert any(isinstance(r, QueueFullError) for r in results)
 
 
+@pytest.mark.parametrize("front", ["thread", "process"])
+def test_the_queue_limit_counts_waiting_requests(checkpoint, front):
+    """max_num_seqs 1, max_queue_len 2: with one request running, two more wait and a fourth is
+    refused, by both fronts (the process front counts the child's waiting list)."""
+    from engine.engine_process import ProcessEngine
+
+    cls = AsyncEngine if front == "thread" else ProcessEngine
+    eng = cls(EngineConfig(model=checkpoint("llama"), num_kv_blocks=64, max_num_seqs=1, max_queue_len=2))
+    eng.start()
+
+    async def main():
+        running = eng.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        await running.__anext__()  # it has a token: it is running, not waiting
+        waiting = [eng.generate([4, 5], SamplingParams(max_tokens=2, ignore_eos=True)) for _ in range(2)]
+        heads = [asyncio.ensure_future(g.__anext__()) for g in waiting]
+        await asyncio.sleep(0.05)  # both admitted (each waits for its first token)
+        assert not any(h.done() for h in heads)
+        with pytest.raises(QueueFullError, match="queue is full"):
+            await eng.generate([6], SamplingParams(max_tokens=2)).__anext__()
+        await running.aclose()  # aborted: the two waiting ones run and finish
+        firsts = await asyncio.gather(*heads)
+        rests = [[o async for o in g] for g in waiting]
+        return firsts, rests
+
+    try:
+        firsts, rests = asyncio.run(main())
+    finally:
+        eng.shutdown()
+    for first, rest in zip(firsts, rests):
+        outs = [first, *rest]
+        assert sum(len(o.token_ids) for o in outs) == 2 and outs[-1].finished
+
+
 def test_failing_step_fails_only_its_requests(engine):
     runner = engine.engine.runner
     original = runner.run
