@@ -28,9 +28,6 @@ struct Shape {
   int64_t q_tok, q_head;  // q's strides, in elements
 };
 
-// D_, BS_ > 0: head and block size fixed at compile time (the common ones), so that the
-// accumulators live in registers; 0: sizes known only at run time. GC query heads of a GQA group
-// go through together, so that each key and value loaded feeds GC multiply-adds.
 // Asks for n elements from p into the cache ahead of their use: a block's chunk of keys or values
 // is too short for the hardware prefetcher to find the stream in time.
 template <typename T>
@@ -39,6 +36,10 @@ inline void prefetch(const T* p, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
 }
 
+// The two passes over one sequence's blocks for one KV head. D_, BS_ > 0: head and block size
+// fixed at compile time (the common ones), so that the accumulators live in registers; 0: sizes
+// known only at run time. GC query heads of the GQA group go through together, so that each key
+// and value loaded feeds GC multiply-adds.
 template <int64_t D_, int64_t BS_, int64_t GC>
 struct Pass {
   int64_t D, BS, n, stride;  // head and block size, keys seen, scores' row stride (per head)
@@ -55,7 +56,7 @@ struct Pass {
       if (b + 2 < num_blocks) prefetch(k_cache + table[b + 2] * block_stride + head_offset, chunk);
       prefetch(v_cache + table[b] * block_stride + head_offset, chunk);
       float* out = scores + b * BS;
-      if constexpr (D_ > 0 && BS_ > 0 && D_ % 4 == 0) {
+      if constexpr (D_ > 0 && BS_ > 0 && D_ % (8 / GC) == 0) {
         constexpr int64_t U = 8 / GC;  // 8 independent multiply-add chains
         float acc[GC][U][BS_] = {};
         for (int64_t d = 0; d < D_; d += U)
