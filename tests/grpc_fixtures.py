@@ -112,40 +112,46 @@ class InProcessServer:
 
 
 @contextlib.contextmanager
-def slow_steps(engine, seconds: float = 0.01):
-    """Makes each engine step take at least `seconds` longer, so a generation outlives a deadline."""
+def patched_run(engine, wrap):
+    """The in-process engine's model runs go through wrap(run), run being the real one, until the
+    block exits. Returns the runner, for a wrapper that restores run itself after one call."""
     runner = engine.engine.runner
     run = runner.run
-
-    def slow_run(*a, **kw):
-        time.sleep(seconds)
-        return run(*a, **kw)
-
-    runner.run = slow_run
+    runner.run = wrap(run)
     try:
-        yield
+        yield runner
     finally:
         runner.run = run
 
 
 @contextlib.contextmanager
+def slow_steps(engine, seconds: float = 0.01):
+    """Makes each engine step take at least `seconds` longer, so a generation outlives a deadline."""
+    def wrap(run):
+        def slow_run(*a, **kw):
+            time.sleep(seconds)
+            return run(*a, **kw)
+        return slow_run
+
+    with patched_run(engine, wrap):
+        yield
+
+
+@contextlib.contextmanager
 def failing_step(engine, times: int = 1):
     """The next `times` model runs raise RuntimeError (the engine's step fails those requests)."""
-    runner = engine.engine.runner
-    run = runner.run
     left = [times]
 
-    def bad_run(*a, **kw):
-        if left[0] > 0:
-            left[0] -= 1
-            raise RuntimeError("injected failure (test)")
-        return run(*a, **kw)
+    def wrap(run):
+        def bad_run(*a, **kw):
+            if left[0] > 0:
+                left[0] -= 1
+                raise RuntimeError("injected failure (test)")
+            return run(*a, **kw)
+        return bad_run
 
-    runner.run = bad_run
-    try:
+    with patched_run(engine, wrap):
         yield
-    finally:
-        runner.run = run
 
 
 def pagoda_command() -> list[str]:

@@ -64,19 +64,25 @@ def test_concurrent_streams_get_their_own_tokens(engine):
         assert sum((o.token_ids for o in a), []) == sum((o.token_ids for o in b), [])
 
 
-def test_cancel_frees_blocks(engine):
+def leave_a_stream(eng, tries: int = 200):
+    """Takes one delta of a long stream, closes it, and returns the stats once its blocks are
+    free (or after `tries` polls 10 ms apart)."""
     async def main():
-        gen = engine.generate([1, 2, 3] * 10, SamplingParams(max_tokens=400, ignore_eos=True))
+        gen = eng.generate([1, 2, 3] * 10, SamplingParams(max_tokens=400, ignore_eos=True))
         async for _ in gen:
             break
         await gen.aclose()
-        for _ in range(200):
+        for _ in range(tries):
             await asyncio.sleep(0.01)
-            s = engine.stats()
+            s = eng.stats()
             if s.num_free_blocks == s.num_total_blocks and s.num_running == 0:
-                return s
-        return engine.stats()
-    s = asyncio.run(main())
+                break
+        return eng.stats()
+    return asyncio.run(main())
+
+
+def test_cancel_frees_blocks(engine):
+    s = leave_a_stream(engine)
     assert s.num_free_blocks == s.num_total_blocks and s.num_running == 0
 
 
@@ -116,7 +122,9 @@ def test_the_queue_limit_counts_waiting_requests(checkpoint, front):
             await eng.generate([6], SamplingParams(max_tokens=2)).__anext__()
         await running.aclose()  # aborted: the two waiting ones run and finish
         firsts = await asyncio.gather(*heads)
-        rests = [[o async for o in g] for g in waiting]
+        rests = []
+        for g in waiting:
+            rests.append([o async for o in g])
         return firsts, rests
 
     try:

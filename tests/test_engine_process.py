@@ -21,7 +21,7 @@ def engine(checkpoint):
 
 
 # the same check as for the in-process front, run here against this module's `engine` fixture
-from test_async_engine import _collect, test_concurrent_streams_get_their_own_tokens  # noqa: E402,F401
+from test_async_engine import _collect, leave_a_stream, test_concurrent_streams_get_their_own_tokens  # noqa: E402,F401
 
 
 def test_streams_equal_offline(engine, checkpoint):
@@ -52,18 +52,7 @@ def test_a_refused_request_names_the_field(engine):
 
 
 def test_leaving_a_stream_aborts_it_and_frees_its_blocks(engine):
-    async def main():
-        gen = engine.generate([1, 2, 3] * 10, SamplingParams(max_tokens=400, ignore_eos=True))
-        async for _ in gen:
-            break
-        await gen.aclose()
-        for _ in range(300):
-            await asyncio.sleep(0.01)
-            s = engine.stats()
-            if s.num_free_blocks == s.num_total_blocks and s.num_running == 0:
-                break
-        return engine.stats()
-    s = asyncio.run(main())
+    s = leave_a_stream(engine, tries=300)
     assert s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_waiting == 0
 
 

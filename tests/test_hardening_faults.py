@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from client.client import AsyncClient, Client, collect
-from grpc_fixtures import ServeProcess, slow_steps, tiny_checkpoint
+from grpc_fixtures import ServeProcess, patched_run, slow_steps, tiny_checkpoint
 from hardening_fixtures import OptionsServer, running, server_idle, wait_all_blocks_free
 from server.options import ServerOptions
 
@@ -28,21 +28,17 @@ FAULTS: dict[str, int] = {}  # figures for the notes
 def poisoned_step(engine, request_id: str, failed_steps: list):
     """The model run of the first step holding `request_id` raises; every request of that step is
     recorded in failed_steps (one set per failing step)."""
-    runner = engine.engine.runner
-    run = runner.run
+    def wrap(run):
+        def bad_run(sched, *a, **kw):
+            ids = {s.request_id for s in sched.seqs}
+            if request_id in ids and not failed_steps:
+                failed_steps.append(ids)
+                raise RuntimeError("injected forward failure (test)")
+            return run(sched, *a, **kw)
+        return bad_run
 
-    def bad_run(sched, *a, **kw):
-        ids = {s.request_id for s in sched.seqs}
-        if request_id in ids and not failed_steps:
-            failed_steps.append(ids)
-            raise RuntimeError("injected forward failure (test)")
-        return run(sched, *a, **kw)
-
-    runner.run = bad_run
-    try:
+    with patched_run(engine, wrap):
         yield
-    finally:
-        runner.run = run
 
 
 def test_forward_failure_fails_only_that_steps_requests():

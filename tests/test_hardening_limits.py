@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from client.client import Client
-from grpc_fixtures import REPO
+from grpc_fixtures import REPO, patched_run
 from hardening_fixtures import running, server_idle, wait_all_blocks_free
 from server.options import ServerOptions
 
@@ -28,20 +28,19 @@ C = grpc.StatusCode
 @contextlib.contextmanager
 def held_engine(engine):
     """The engine's next model run waits until released (the requests it holds stay in flight)."""
-    runner = engine.engine.runner
-    run = runner.run
     release = threading.Event()
 
-    def held(*a, **kw):
-        release.wait(30)
-        return run(*a, **kw)
+    def wrap(run):
+        def held(*a, **kw):
+            release.wait(30)
+            return run(*a, **kw)
+        return held
 
-    runner.run = held
-    try:
-        yield release
-    finally:
-        release.set()
-        runner.run = run
+    with patched_run(engine, wrap):
+        try:
+            yield release
+        finally:
+            release.set()
 
 
 def invalid(fn, *a, **kw) -> str:
@@ -251,19 +250,15 @@ def test_max_concurrent_streams(srv, client):
 @contextlib.contextmanager
 def long_prefill(engine, seconds: float):
     """The engine's next model run takes `seconds` longer: a stream sends no data meanwhile."""
-    runner = engine.engine.runner
-    run = runner.run
+    def wrap(run):
+        def slow(*a, **kw):
+            runner.run = run
+            time.sleep(seconds)
+            return run(*a, **kw)
+        return slow
 
-    def slow(*a, **kw):
-        runner.run = run
-        time.sleep(seconds)
-        return run(*a, **kw)
-
-    runner.run = slow
-    try:
+    with patched_run(engine, wrap) as runner:
         yield
-    finally:
-        runner.run = run
 
 
 # A client that pings as often as grpc lets it (about once a second once throttled) with no data.

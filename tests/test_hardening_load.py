@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from client.client import AsyncClient, Client, build_request
+from grpc_fixtures import patched_run
 from hardening_fixtures import rss_bytes, running, server_idle, wait_all_blocks_free
 from server.options import ServerOptions
 
@@ -111,21 +112,19 @@ async def one_round(target: str, seed: int) -> list[tuple]:
 @contextlib.contextmanager
 def gate(srv, held: int, timeout: float = 30.0):
     """The engine's next model run waits until `held` generation calls are in flight on the server."""
-    runner = srv.engine.engine.runner
-    run, state = runner.run, srv.server.state
+    state = srv.server.state
 
-    def gated_run(*a, **kw):
-        deadline = time.monotonic() + timeout
-        while state.num_generations < held and time.monotonic() < deadline:
-            time.sleep(0.005)
-        runner.run = run
-        return run(*a, **kw)
+    def wrap(run):
+        def gated_run(*a, **kw):
+            deadline = time.monotonic() + timeout
+            while state.num_generations < held and time.monotonic() < deadline:
+                time.sleep(0.005)
+            runner.run = run
+            return run(*a, **kw)
+        return gated_run
 
-    runner.run = gated_run
-    try:
+    with patched_run(srv.engine, wrap) as runner:
         yield
-    finally:
-        runner.run = run
 
 
 def server_peak(srv, stop: threading.Event, out: list) -> None:
