@@ -14,7 +14,8 @@ class ModelRunner:
                  device: torch.device, seed: int, vocab_size: int, attention_backend=None):
         self.model, self.device, self.block_size, self.vocab_size = model, device, block_size, vocab_size
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
-        self.sampler = Sampler(seed, device)
+        fused = getattr(attention_backend, "fused_ops", None)
+        self.sampler = Sampler(seed, device, argmax=fused.argmax if fused is not None else None)
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         kvh, hd = layers[0].num_kv_heads, layers[0].head_dim
         # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
@@ -30,7 +31,6 @@ class ModelRunner:
             _column_major_linears(model)
         # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
         # conversions do not vectorise; torch's own kernels are faster there)
-        fused = getattr(attention_backend, "fused_ops", None)
         if fused is not None and dtype == torch.float32:
             for m in model.modules():
                 if hasattr(type(m), "fused_ops"):
@@ -84,8 +84,9 @@ class ModelRunner:
             logits = graphs.run(input_ids, positions, meta)[logits_idx]  # a decode row per sequence
         else:
             logits = self._eager_logits(input_ids, positions, meta, logits_idx)
-        tensors = self._sampling_tensors(sample_seqs)
-        tokens, lp = self.sampler(logits, tensors)
+        if all(s.params.is_plain_greedy and s.num_generated_tokens >= s.params.min_tokens for s in sample_seqs):
+            return self.sampler.argmax(logits.float()).tolist(), None  # the step's one host-device sync
+        tokens, lp = self.sampler(logits, self._sampling_tensors(sample_seqs))
         if lp is None:
             return tokens.tolist(), None  # the step's one host-device sync
         return tokens.tolist(), _logprob_lists(lp, tokens, sample_seqs)

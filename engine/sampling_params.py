@@ -63,6 +63,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the sampler's tensors (penalties, logprobs); min_tokens
+        depends on the sequence and is the caller's to check."""
+        return self.temperature == 0.0 and not self.logprobs and not self.needs_penalties
+
+    @property
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)

@@ -145,7 +145,7 @@ def check_stop(seq: Sequence, max_model_len: int) -> FinishReason | None:
     """Token-level stops plus stop strings (through the sequence's detokenizer)."""
     params, token = seq.params, seq.token_ids[-1]
     if seq.detokenizer is not None:
-        seq.detokenizer.add(token)
+        seq.detokenizer.append(token)
     if seq.num_generated_tokens >= params.min_tokens:
         if not params.ignore_eos and token in seq.eos_token_ids:
             return FinishReason.EOS

@@ -150,6 +150,32 @@ def test_fused_layers_match_the_torch_modules(dtype):
     _assert_equalish(got_k, want_k, dtype)
     assert got_q.data_ptr() == qkv.data_ptr()
 
+    # the residual add folded into the norm: residual becomes x + residual, in place
+    x, residual = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype)
+    want_sum = x + residual
+    kept = residual
+    got = cpu_ops.add_rms_norm_(x, residual, norm.weight, 1e-6)
+    assert kept.data_ptr() == residual.data_ptr() and torch.equal(residual, want_sum)
+    _assert_equalish(got, norm(want_sum), dtype)
+
+
+def test_argmax_is_torchs_first_maximum():
+    torch.manual_seed(0)
+    for shape in [(64, 4096), (3, 17), (5, 1), (2, 151936), (7, 100)]:
+        x = torch.randn(*shape)
+        assert torch.equal(cpu_ops.argmax(x), x.argmax(-1))
+    x = torch.zeros(5, 200)
+    x[0, 150], x[0, 199] = 3.0, 3.0  # a tie: the first
+    x[1, 120], x[1, 7] = float("nan"), 9.0  # a NaN counts as the maximum
+    x[2] = float("-inf")
+    x[3, 70], x[3, 90] = float("inf"), float("inf")
+    x[4, 130] = float("nan")
+    x[4, 10] = float("nan")
+    assert cpu_ops.argmax(x).tolist() == x.argmax(-1).tolist() == [150, 120, 0, 70, 10]
+    assert torch.equal(cpu_ops.argmax(x.t().contiguous().t()), x.argmax(-1))  # a strided view
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.argmax(x.double())
+
 
 def _assert_equalish(got, want, dtype):
     if dtype == torch.float32:  # the same math; a fused multiply-add may round the last bit differently

@@ -40,3 +40,20 @@ def test_stop_string_trims_text(tok):
             found = True
             break
     assert found and d.text == "hello "
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_appended_tokens_are_decoded_when_the_text_is_read(tok, text):
+    """The engine appends tokens without decoding; reading .text at any point (every step, now
+    and then, or only at the end) gives the same text as decoding token by token."""
+    ids = tok.encode(text)
+    for every in (1, 3, len(ids)):
+        d = IncrementalDetokenizer(tok, tok.encode("prompt: "))
+        seen = []
+        for n, i in enumerate(ids, 1):
+            d.append(i)
+            if n % every == 0:
+                seen.append(d.text)
+        d.flush()
+        assert d.text == text
+        assert all(text.startswith(s) and "\ufffd" not in s for s in seen)

@@ -1,5 +1,5 @@
-"""pagoda's C++ ops for CPU (csrc/): paged attention and its cache write, and fused RMSNorm,
-SiLU-and-mul and rotary embedding. They run in torch's intra-op threads.
+"""pagoda's C++ ops for CPU (csrc/): paged attention and its cache write, fused RMSNorm (with
+the residual add before it), SiLU-and-mul and rotary embedding, and the greedy argmax. They run in torch's intra-op threads.
 
 They are compiled on first use with torch's cpp_extension (10-30 s, once per machine and CPU kind;
 cached under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and need a C++ compiler; where
@@ -98,6 +98,11 @@ def rms_norm(x, weight, eps: float):
     return ops().rms_norm(x, weight, eps)
 
 
+def add_rms_norm_(x, residual, weight, eps: float):
+    # x, residual: [num_tokens, dim]; residual becomes x + residual (in place) -> its norm, same shape
+    return ops().add_rms_norm_(x, residual, weight, eps)
+
+
 def silu_and_mul(x):
     # x: [num_tokens, 2 * d] (gate | up) -> [num_tokens, d]
     return ops().silu_and_mul(x)
@@ -107,3 +112,8 @@ def rotary_(q, k, positions, cos, sin) -> None:
     # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], rotated in place;
     # positions: [num_tokens] int64; cos, sin: [max_position, head_dim] float32
     ops().rotary_(q, k, positions, cos, sin)
+
+
+def argmax(x):
+    # x: [num_rows, n] float32 -> [num_rows] int64, the first maximum of each row
+    return ops().argmax(x)

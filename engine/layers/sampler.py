@@ -59,9 +59,10 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device):
+    def __init__(self, seed: int, device: torch.device, argmax=None):
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.argmax = argmax or _argmax  # [num_seqs, vocab] float32 -> [num_seqs]; a backend may bring its own
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors):
         """logits: [num_seqs, vocab] -> (token ids [num_seqs], logprobs or None)."""
@@ -71,7 +72,7 @@ class Sampler:
             apply_penalties(logits, t.penalties)
         if t.banned is not None:
             logits[t.banned] = float("-inf")
-        greedy = _argmax(logits)
+        greedy = self.argmax(logits)
         if t.all_greedy:
             return greedy, logprobs
         temperature = torch.where(t.is_greedy, 1.0, t.temperature)
@@ -84,7 +85,7 @@ class Sampler:
         race = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in t.generators:
             race[row].exponential_(generator=gen)
-        sampled = _argmax(probs / race)
+        sampled = self.argmax(probs / race)
         return torch.where(t.is_greedy, greedy, sampled), logprobs
 
 

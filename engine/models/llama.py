@@ -15,7 +15,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """norm(x); with residual: (norm(x + residual), x + residual), the residual add fused in."""
+        if residual is not None:
+            if self.fused_ops is not None:
+                return self.fused_ops.add_rms_norm_(x, residual, self.weight, self.eps), residual
+            residual = x + residual
+            return self.forward(residual), residual
         if self.fused_ops is not None:
             return self.fused_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -80,9 +86,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope, x, meta):
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope, x, residual, meta):
+        # the layer's input is x + residual (residual None: just x, the first layer); the residual
+        # adds are folded into the norms that follow them
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, meta), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,9 +121,10 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)  # [num_seqs, vocab]

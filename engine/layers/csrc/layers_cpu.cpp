@@ -19,11 +19,19 @@ namespace {
 // rows per thread: at least ~32k elements, below which a parallel region costs more than it saves
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
 
+// out = weight * (x / sqrt(mean(x^2) + eps)) per row; with residual (add_rms_norm), first
+// residual = x + residual in place, and that sum is normalized.
 template <typename T>
-void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t dim, float eps) {
+void rms_norm_rows(T* out, const T* x, T* residual, const T* w, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
+      if (residual != nullptr) {
+        T* rr = residual + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+        xr = rr;
+      }
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < dim; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
@@ -44,8 +52,25 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must be in x's dtype");
   at::Tensor out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), rows,
-                            dim, static_cast<float>(eps));
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), nullptr, weight.data_ptr<scalar_t>(),
+                            rows, dim, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x (in place), then -> rms_norm(residual): a decoder layer's residual add and the
+// next norm in one pass, as transformers' `hidden = residual + hidden; norm(hidden)`
+at::Tensor add_rms_norm_(const at::Tensor& x_in, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must be contiguous, with x's shape and dtype");
+  const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(dim, 1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim && weight.is_contiguous(), "weight must be [dim]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight must be in x's dtype");
+  at::Tensor out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(),
+                            weight.data_ptr<scalar_t>(), rows, dim, static_cast<float>(eps));
   });
   return out;
 }
@@ -131,16 +156,67 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at
   rotary_one(k, positions, cos, sin);
 }
 
+
+// x: [rows, n] float32 -> [rows] int64, each row's first maximum, as torch.argmax (a NaN counts as
+// the maximum). torch's CPU argmax over the last dimension of logits is ~10x slower than this.
+at::Tensor argmax(const at::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) > 0,
+              "x must be a non-empty float32 matrix");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * n;
+      // 64 lanes (4 independent chains of 16), each with its first maximum: a max-with-index
+      // loop does not vectorize. v - v is NaN for NaN and inf; rows with a NaN take a scalar scan.
+      constexpr int64_t L = 64;
+      float best[L], probe[L] = {};
+      int32_t at[L];
+      for (int64_t l = 0; l < L; ++l) best[l] = xr[0], at[l] = 0;
+      int64_t j = 0;
+      for (; j + L <= n; j += L)
+#pragma omp simd
+        for (int64_t l = 0; l < L; ++l) {
+          const float v = xr[j + l];
+          const bool more = v > best[l];
+          best[l] = more ? v : best[l];
+          at[l] = more ? static_cast<int32_t>(j + l) : at[l];
+          probe[l] += v - v;
+        }
+      for (; j < n; ++j) {
+        if (xr[j] > best[0]) best[0] = xr[j], at[0] = static_cast<int32_t>(j);
+        probe[0] += xr[j] - xr[j];
+      }
+      float mx = best[0];
+      int64_t i = at[0];
+      for (int64_t l = 1; l < L; ++l)
+        if (best[l] > mx || (best[l] == mx && at[l] < i)) mx = best[l], i = at[l];
+      if (std::any_of(probe, probe + L, [](float p) { return p != 0.f; })) {
+        const int64_t nan = std::find_if(xr, xr + n, [](float v) { return std::isnan(v); }) - xr;
+        i = nan < n ? nan : i;
+      }
+      op[r] = i;
+    }
+  });
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("argmax(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
+  m.impl("argmax", &argmax);
 }
