@@ -159,11 +159,14 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
             const Shape& s) {
   const int64_t D = D_ ? D_ : s.head_dim, BS = BS_ ? BS_ : s.block_size, G = s.group;
   const int64_t head_stride = D * BS, block_stride = s.kv_heads * head_stride;
-  const int64_t num_items = static_cast<int64_t>(seq_of.size()) * s.kv_heads;
+  const int64_t num_tokens = static_cast<int64_t>(seq_of.size()), num_items = num_tokens * s.kv_heads;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(GC * D), acc(GC * D), scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / s.kv_heads, h = item % s.kv_heads;
+      // tokens zig-zag (first, last, second, second last, ...): rows come longest context first,
+      // and each thread's contiguous range of items then holds long and short ones alike
+      const int64_t u = item / s.kv_heads, h = item % s.kv_heads;
+      const int64_t t = u % 2 == 0 ? u / 2 : num_tokens - 1 - u / 2;
       const int64_t n = pos_of[t] + 1;  // the keys this token sees
       if (n <= 0) {  // a padding row (context 0): zeros
         std::fill(out + t * s.heads * D + h * G * D, out + t * s.heads * D + (h + 1) * G * D, static_cast<T>(0));
