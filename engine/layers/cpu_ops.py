@@ -1,5 +1,6 @@
 """pagoda's C++ ops for CPU (csrc/): paged attention and its cache write, fused RMSNorm (with
-the residual add before it), SiLU-and-mul and rotary embedding, and the greedy argmax. They run in torch's intra-op threads.
+the residual add before it), SiLU-and-mul and rotary embedding, and the greedy argmax. They run
+in torch's intra-op threads.
 
 They are compiled on first use with torch's cpp_extension (10-30 s, once per machine and CPU kind;
 cached under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and need a C++ compiler; where

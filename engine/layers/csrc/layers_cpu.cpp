@@ -158,7 +158,7 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at
 
 
 // x: [rows, n] float32 -> [rows] int64, each row's first maximum, as torch.argmax (a NaN counts as
-// the maximum). torch's CPU argmax over the last dimension of logits is ~10x slower than this.
+// the maximum). On 64 x 4096 logits torch's argmax takes ~7x as long, max(dim).indices ~2.5x.
 at::Tensor argmax(const at::Tensor& x_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) > 0,
               "x must be a non-empty float32 matrix");
