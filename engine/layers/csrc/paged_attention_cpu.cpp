@@ -36,6 +36,18 @@ inline void prefetch(const T* p, int64_t n) {
   for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(T)); i += 64) __builtin_prefetch(c + i);
 }
 
+// out[g * out_stride + i] = sum over u of acc[g][u][i]: the independent multiply-add chains added up
+template <int64_t GC, int64_t U, int64_t N>
+inline void sum_chains(float* out, int64_t out_stride, const float (&acc)[GC][U][N]) {
+  for (int64_t g = 0; g < GC; ++g)
+#pragma omp simd
+    for (int64_t i = 0; i < N; ++i) {
+      float sum = 0.f;
+      for (int64_t u = 0; u < U; ++u) sum += acc[g][u][i];
+      out[g * out_stride + i] = sum;
+    }
+}
+
 // The two passes over one sequence's blocks for one KV head. D_, BS_ > 0: head and block size
 // fixed at compile time (the common ones), so that the accumulators live in registers; 0: sizes
 // known only at run time. GC query heads of the GQA group go through together, so that each key
@@ -66,13 +78,7 @@ struct Pass {
 #pragma omp simd
               for (int64_t j = 0; j < BS_; ++j) acc[g][u][j] += qd * static_cast<float>(kt[(d + u) * BS_ + j]);
             }
-        for (int64_t g = 0; g < GC; ++g)
-#pragma omp simd
-          for (int64_t j = 0; j < BS_; ++j) {
-            float sum = 0.f;
-            for (int64_t u = 0; u < U; ++u) sum += acc[g][u][j];
-            out[g * stride + j] = sum;
-          }
+        sum_chains(out, stride, acc);
       } else {
         for (int64_t g = 0; g < GC; ++g) {
           float* o = out + g * stride;
@@ -112,13 +118,7 @@ struct Pass {
             for (int64_t d = 0; d < D_; ++d) acc[g][0][d] += pj * static_cast<float>(v[j * D_ + d]);
           }
       }
-      for (int64_t g = 0; g < GC; ++g)
-#pragma omp simd
-        for (int64_t d = 0; d < D_; ++d) {
-          float sum = 0.f;
-          for (int64_t u = 0; u < U; ++u) sum += acc[g][u][d];
-          out[g * D_ + d] = sum;
-        }
+      sum_chains(out, D_, acc);
     } else {
       std::fill(out, out + GC * D, 0.f);
       for (int64_t b = 0; b * BS < n; ++b) {
