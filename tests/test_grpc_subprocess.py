@@ -138,7 +138,7 @@ def test_buf_curl_generate_stream(served, unary_greedy):
                    data=GREEDY)
     assert out.returncode == 0, out.stderr
     msgs = json_stream(out.stdout)  # protojson: lowerCamelCase names, uint32 as numbers
-    assert len(msgs) > 1
+    assert msgs  # a short stream may come as one message: deltas a slow reader missed are merged
     assert "".join(m.get("text", "") for m in msgs) == unary_greedy.text
     assert [t for m in msgs for t in m.get("tokenIds", [])] == list(unary_greedy.token_ids)
     assert msgs[-1]["finishReason"] == "FINISH_REASON_LENGTH"
@@ -158,7 +158,7 @@ def test_node_client_streams_a_generation(served, unary_greedy):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     msgs = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(msgs) > 1
+    assert msgs  # a short stream may come as one message: deltas a slow reader missed are merged
     assert "".join(m.get("text", "") for m in msgs) == unary_greedy.text
     assert [t for m in msgs for t in m.get("token_ids", [])] == list(unary_greedy.token_ids)
     assert msgs[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
