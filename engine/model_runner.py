@@ -1,4 +1,6 @@
 """Runs one scheduled step: builds the flat batch, runs the model, samples the next tokens."""
+import itertools
+
 import numpy as np
 import torch
 
@@ -14,6 +16,7 @@ class ModelRunner:
                  device: torch.device, seed: int, vocab_size: int, attention_backend=None):
         self.model, self.device, self.block_size, self.vocab_size = model, device, block_size, vocab_size
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
+        self.pads_decodes = attention_backend is None  # the torch path pads decode rows to a group's longest
         fused = getattr(attention_backend, "fused_ops", None)
         self.sampler = Sampler(seed, device, argmax=fused.argmax if fused is not None else None)
         layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -92,25 +95,35 @@ class ModelRunner:
         return tokens.tolist(), _logprob_lists(lp, tokens, sample_seqs)
 
     def _prepare_inputs(self, sched: SchedulerOutput):
-        seqs, counts, bs = sched.seqs, sched.num_new_tokens, self.block_size
-        starts = np.array([s.num_computed_tokens for s in seqs], dtype=np.int64)
-        counts_np = np.array(counts, dtype=np.int64)
+        seqs, bs = sched.seqs, self.block_size
+        # one pass over the sequences (this runs every step; numpy does the rest)
+        starts, totals, ids, tables = [], [], [], []
+        for s, n in zip(seqs, sched.num_new_tokens):
+            a = s.num_computed_tokens
+            starts.append(a)
+            totals.append(len(s.token_ids))
+            ids += s.token_ids[a:a + n]
+            tables.append(s.block_table)
+        counts_np = np.array(sched.num_new_tokens, dtype=np.int64)
+        starts = np.array(starts, dtype=np.int64)
         ends = starts + counts_np
-        num_tokens = int(counts_np.sum())
+        num_tokens = len(ids)
         # positions: each seq's range [start, end), flattened
-        seq_of_token = np.repeat(np.arange(len(seqs)), counts_np)
-        offsets = np.cumsum(counts_np) - counts_np
-        positions = starts[seq_of_token] + np.arange(num_tokens) - offsets[seq_of_token]
-        input_ids = np.concatenate([np.asarray(s.token_ids[a:b]) for s, a, b in zip(seqs, starts, ends)])
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((len(seqs), width), -1, dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = s.block_table
+        if num_tokens == len(seqs):  # one token per sequence
+            seq_of_token, positions = np.arange(num_tokens), starts
+        else:
+            seq_of_token = np.repeat(np.arange(len(seqs)), counts_np)
+            offsets = np.cumsum(counts_np) - counts_np
+            positions = starts[seq_of_token] + np.arange(num_tokens) - offsets[seq_of_token]
+        input_ids = np.array(ids, dtype=np.int64)
+        # block tables: [num_seqs, widest], padded with -1
+        tables = np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         num_decodes = int(np.sum(counts_np == 1))
         cu = np.concatenate([[0], np.cumsum(counts_np[num_decodes:])]).astype(np.int32)
-        samples = ends == np.array([s.num_tokens for s in seqs])
+        samples = ends == np.array(totals)
         logits_idx = (np.cumsum(counts_np) - 1)[samples]
+        lens = ends.astype(np.int32)
 
         def t(a, dtype):
             return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
@@ -119,13 +132,13 @@ class ModelRunner:
             slot_mapping=t(slots, torch.int64),
             num_decode_tokens=num_decodes,
             decode_block_tables=t(tables[:num_decodes], torch.int32),
-            decode_context_lens=t(ends[:num_decodes], torch.int32),
+            decode_context_lens=t(lens[:num_decodes], torch.int32),
             prefill_block_tables=t(tables[num_decodes:], torch.int32),
             prefill_query_start_loc=t(cu, torch.int32),
-            prefill_context_lens=t(ends[num_decodes:], torch.int32),
+            prefill_context_lens=t(lens[num_decodes:], torch.int32),
             max_query_len=int(counts_np.max()),
             max_context_len=int(ends.max()),
-            decode_groups=_decode_groups(ends[:num_decodes], bs),
+            decode_groups=_decode_groups(ends[:num_decodes], bs) if self.pads_decodes else (),
         )
         return t(input_ids, torch.int64), t(positions, torch.int64), meta, t(logits_idx, torch.int64)
 
