@@ -2,7 +2,7 @@
 
 # Decoding a window that starts a few tokens back lets tokenizers that merge spaces or
 # byte pieces across tokens (SentencePiece, byte-level BPE) produce the right text.
-_CONTEXT_TOKENS = 5
+CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
@@ -10,7 +10,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         # a fast tokenizer's Rust decoder directly: the Python wrapper costs more than the decoding
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self._text = ""  # everything decoded so far (trimmed at a stop string)

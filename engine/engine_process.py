@@ -6,11 +6,17 @@ the time made offline generation 19% slower; another process busy 100% cost noth
 child owns the model and steps it; the parent keeps the tokenizer (Tokenize, chat templates), the
 per-request queues, and a receiver thread that hands each step's deltas to the event loops.
 
+The child reports token ids, not text: the parent detokenizes each stream (as vLLM's front-end
+process does), which keeps a decode per token and per stream out of the engine's loop. Only a
+sequence that stopped at a stop string, which the child has to decode to find, comes with the
+length its text was cut to.
+
 Messages over one duplex pipe (pickled):
   parent -> child: ("add", request_id, prompt, params, priority) | ("abort", request_id) | ("shutdown",)
   child -> parent: ("ready", config, model_info, stats, started, tokenizer) | ("error", exception)
-                   ("queued", num_waiting, num_taken) | ("step", [(request_id, RequestOutput | exception)], stats)
+                   ("queued", num_waiting, num_taken) | ("step", [(request_id, record | exception)], stats)
                    | ("closed",)
+A record is one sequence's news since its last one (see _record).
 "queued" comes once the child's step has scheduled, when it took in new requests: the waiting
 list then, and how many sequences it took in; the parent's queue limit counts those two numbers.
 """
@@ -23,11 +29,13 @@ import signal
 import threading
 from collections.abc import AsyncIterator
 
-from engine.async_engine import EngineFront, consume, fail_all, hand_over, outcome
+from engine.async_engine import EngineFront, consume, fail_all, hand_over
 from engine.config import EngineConfig
+from engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from engine.errors import EngineClosedError, EngineError, InvalidRequestError
-from engine.outputs import RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, Sequence
 
 log = logging.getLogger("pagoda.engine")
 _ids = itertools.count()
@@ -52,6 +60,7 @@ class ProcessEngine(EngineFront):
         _, self.config, self.model_info, self._stats, self._started, self.tokenizer = msg
         self._lock = threading.Lock()  # the pipe's send side and the request tables
         self._init_requests()
+        self._texts: dict[str, tuple[list[str], dict]] = {}  # request id -> (stop strings, {index: _Text})
         self._num_waiting = self._stats.num_waiting  # the child's, as it last reported it
         self._receiver = threading.Thread(target=self._receive, name="pagoda-engine-receiver", daemon=True)
 
@@ -70,6 +79,7 @@ class ProcessEngine(EngineFront):
             if self._closed:
                 raise EngineClosedError("the engine is shut down")
             queue = self._admit(request_id, params.n)
+            self._texts[request_id] = (list(params.stop), {})
             self._send(("add", request_id, prompt, params, priority))
         async with contextlib.aclosing(consume(queue, params.n, lambda: self.abort(request_id))) as outs:
             async for out in outs:  # closing this generator closes consume(), which aborts
@@ -125,16 +135,70 @@ class ProcessEngine(EngineFront):
                     self._num_pending -= taken
                 continue
             _, items, self._stats = msg
+            items = [(request_id, self._output(request_id, rec)) for request_id, rec in items]
             with self._lock:
                 self._num_waiting = self._stats.num_waiting
                 outbox = [(*entry, out) for request_id, out in items
                           if (entry := self._settle(request_id, out)) is not None]
             hand_over(outbox)
 
+    def _output(self, request_id: str, rec):
+        """A child's record as the RequestOutput delta the stream gets (an exception passes through)."""
+        entry = self._texts.get(request_id)
+        if isinstance(rec, BaseException) or entry is None:  # None: the request is gone
+            return rec
+        index, token_ids, reason, cut, prompt_tail, counts, metrics, logprobs = rec
+        stop, texts = entry
+        text = texts.get(index)
+        if text is None:
+            text = texts[index] = _Text(self.tokenizer, prompt_tail, stop)
+        reason = FinishReason(reason) if reason is not None else None
+        return RequestOutput(
+            request_id=request_id, index=index, token_ids=token_ids, text=text.delta(token_ids, reason, cut),
+            finished=reason is not None, finish_reason=reason.public if reason else None,
+            stop_reason=reason.value if reason else None, num_prompt_tokens=counts[0],
+            num_generated_tokens=counts[1], num_cached_tokens=counts[2], metrics=RequestMetrics(*metrics),
+            logprobs=logprobs)
+
+    def _drop(self, request_id: str) -> None:
+        super()._drop(request_id)
+        self._texts.pop(request_id, None)
+
+    def _close_queues(self, error: BaseException) -> list:
+        self._texts.clear()
+        return super()._close_queues(error)
+
     def _fail_pending(self, error: BaseException) -> None:
         with self._lock:
             outbox = self._close_queues(error)
         hand_over(outbox)
+
+
+class _Text:
+    """One stream's text, decoded in the parent from the token ids the child reports, with the
+    engine's rules: text that may yet become a stop string is held back, a finished sequence's
+    held-back characters are flushed, and a stop string cuts the text where the child found it."""
+
+    def __init__(self, tokenizer, prompt_tail: list[int], stop: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_tail)
+        self.hold = max(map(len, stop), default=1) - 1
+        self.num_sent = 0
+
+    def delta(self, token_ids: list[int], reason: FinishReason | None, cut: int | None) -> str:
+        for t in token_ids:
+            self.detokenizer.append(t)
+        if reason in _FLUSHED:
+            self.detokenizer.flush()
+        text = self.detokenizer.text
+        end = len(text) if cut is None else cut
+        if reason is None:
+            end = max(self.num_sent, end - self.hold)
+        out, self.num_sent = text[self.num_sent:end], end
+        return out
+
+
+# the engine flushes a sequence's detokenizer when it finishes, unless at a stop string or aborted
+_FLUSHED = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_TOKEN)
 
 
 # ---- the child ----
@@ -172,7 +236,7 @@ def _child_loop(engine, conn) -> None:
                 num_added += cmd[3].n
                 items += _add(engine, *cmd[1:])
             else:
-                items += [(s.request_id, outcome(s)) for s in engine.abort(cmd[1])]
+                items += [(s.request_id, _record(s)) for s in engine.abort(cmd[1])]
         reported = False
 
         def report_queue():
@@ -189,8 +253,26 @@ def _child_loop(engine, conn) -> None:
             log.exception("engine step crashed")
             updated = fail_all(engine)
         report_queue()
-        items += [(s.request_id, outcome(s)) for s in updated]
+        items += [(s.request_id, _record(s)) for s in updated]
         conn.send(("step", items, engine.stats()))
+
+
+def _record(seq: Sequence):
+    """What the parent needs for a sequence's delta (an EngineError if it failed): (index, new token
+    ids, finish reason value or None, the length its text was cut to at a stop string or None, the
+    prompt's last tokens (context for the parent's detokenizer; first record only), (num_prompt,
+    num_generated, num_cached) tokens, metrics (arrival, first scheduled, first token), new logprobs)."""
+    reason = seq.finish_reason
+    if reason is FinishReason.ERROR:
+        return EngineError(f"request {seq.request_id} failed: {seq.error}")
+    sent, num_generated, p = seq.num_tokens_sent, seq.num_generated_tokens, seq.num_prompt_tokens
+    seq.num_tokens_sent = num_generated
+    m = seq.metrics()
+    return (seq.index, seq.token_ids[p + sent:], reason.value if reason else None,
+            len(seq.detokenizer.text) if reason is FinishReason.STOP_STRING else None,
+            seq.token_ids[max(0, p - CONTEXT_TOKENS):p] if sent == 0 else None,
+            (p, num_generated, seq.num_cached_tokens), (m.arrival_time, m.first_scheduled_time, m.first_token_time),
+            seq.logprobs[sent:num_generated] if seq.params.logprobs else None)
 
 
 def _add(engine, request_id, prompt, params, priority) -> list:
@@ -200,7 +282,7 @@ def _add(engine, request_id, prompt, params, priority) -> list:
     except Exception as e:  # InvalidRequestError naming the field, mostly
         return [(request_id, e if _picklable(e) else EngineError(f"{type(e).__name__}: {e}"))]
     for seq in seqs:
-        seq.num_text_sent = seq.num_tokens_sent = 0
+        seq.num_tokens_sent = 0
     return []
 
 

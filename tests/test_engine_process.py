@@ -37,6 +37,32 @@ def test_streams_equal_offline(engine, checkpoint):
     assert engine.encode("hi") == engine.tokenizer.encode("hi")
 
 
+def test_streams_decoded_in_the_parent_stop_where_the_engine_does(engine, checkpoint):
+    # the child sends token ids; the parent's text must hold back a possible stop string, cut at a
+    # found one as the engine does, and flush a finished stream's held-back bytes
+    offline = LLM(checkpoint("llama"), num_kv_blocks=64)
+    greedy = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    text = offline.generate(["héllo wörld"], SamplingParams(**greedy))[0].text
+    # a stop string across two tokens' text: its first character must be held back, not sent
+    bounds = [len(offline.generate(["héllo wörld"], SamplingParams(**greedy | {"max_tokens": m}))[0].text)
+              for m in range(4, 12)]
+    stop = next(text[b - 1:b + 1] for b in bounds if 0 < b < len(text) and text.index(text[b - 1:b + 1]) == b - 1)
+    reasons = []
+    for params in (SamplingParams(**greedy, stop=[stop]), SamplingParams(**greedy, stop=["never-there"]),
+                   SamplingParams(**greedy)):
+        want = offline.generate(["héllo wörld"], params)[0]
+        outs = asyncio.run(_collect(engine, "héllo wörld", params))
+        got = "".join(o.text for o in outs)
+        assert got == want.text and outs[-1].stop_reason == want.stop_reason
+        reasons.append(want.stop_reason)
+        assert sum((o.token_ids for o in outs), []) == want.token_ids
+        assert (outs[-1].num_prompt_tokens, outs[-1].num_generated_tokens) == (want.num_prompt_tokens,
+                                                                             want.num_generated_tokens)
+        for i in range(1, len(outs)):  # no delta gave away text the stop string later cut
+            assert "".join(o.text for o in outs[:i]) == got[:len("".join(o.text for o in outs[:i]))]
+    assert reasons == ["stop_string", "length", "length"]
+
+
 def offline_vocab(checkpoint):
     import transformers
     return transformers.AutoConfig.from_pretrained(checkpoint("llama")).vocab_size
