@@ -185,6 +185,8 @@ def spawned_server(path: str, args):
     port = free_port()
     cmd = pagoda_command() + ["serve", "--model", path, "--host", "127.0.0.1", "--port", str(port),
                               "--dtype", args.dtype, "--device", args.device, "--log-level", "WARNING"]
+    if args.threads:
+        cmd += ["--cpu-threads", str(args.threads)]
     cmd += shlex.split(args.server_args or "")
     log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-serve-", suffix=".log", delete=False)
     print(f"starting: {shlex.join(cmd)} (log {log.name})", file=sys.stderr)
@@ -236,13 +238,26 @@ def offline_throughput(path: str, args) -> dict:
     cmd = [sys.executable, THROUGHPUT_PY, "--model", path, "--dtype", args.dtype, "--device", args.device,
            "--num-requests", str(args.num_requests), "--input-len", *map(str, args.input_len),
            "--output-len", *map(str, args.output_len), "--seed", str(args.seed), "--peers", "pagoda",
-           "--json", out, "--no-results"] + (["--threads", str(args.threads)] if args.threads else [])
+           "--json", out, "--no-results"]
+    threads = engine_threads(args)
+    if threads and args.device != "cuda":
+        cmd += ["--threads", str(threads)]
     print(f"offline run: {shlex.join(cmd)}", file=sys.stderr)
     try:
         subprocess.run(cmd, check=True, cwd=common.ROOT)
         return read_offline(out, args)
     finally:
         os.unlink(out)
+
+
+def engine_threads(args) -> int | None:
+    """The spawned server's engine threads on CPU (--threads, else `pagoda serve`'s default of a core
+    less than the machine's): the offline run gets as many, so that the ratio measures the service
+    layer, not a core given to it. None: a server we did not start (its threads are unknown)."""
+    if args.threads or not args.spawn_server:
+        return args.threads
+    from server.main import serving_cpu_threads
+    return serving_cpu_threads()
 
 
 def read_offline(path: str, args) -> dict:
@@ -295,8 +310,8 @@ def describe(args, path: str, workload, target: str) -> str:
     server = "spawned `pagoda serve`" if args.spawn_server else "running server"
     if args.spawn_server and args.server_args:
         server += f" {args.server_args}"
-    if args.spawn_server and args.threads:
-        server += f", OMP_NUM_THREADS={args.threads}"
+    if args.spawn_server and args.device != "cuda":
+        server += f", engine CPU threads {engine_threads(args)}"
     model = args.model or f"{args.model_config} (random weights, {path})"
     output = sum(n for _, n in workload)
     return (f"gRPC GenerateStream against {target} ({server}), {load}. Model {model}, {args.device} "

@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier identical prefixes
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are used on CUDA otherwise)
     max_queue_len: int = 1024  # waiting requests beyond this are refused (QueueFullError)
+    cpu_threads: int | None = None  # on CPU, torch's intra-op threads (process-wide); None: torch's default
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -38,6 +39,8 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_queue_len", self.max_queue_len)
+        if self.cpu_threads is not None:
+            _positive_int("cpu_threads", self.cpu_threads)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:

@@ -31,6 +31,8 @@ class LLMEngine:
         self.architecture = architecture_of(self.hf_config)
         self.tokenizer = load_tokenizer(path)
         self.device = _device(config.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         self.dtype = _dtype(config.dtype, self.hf_config, self.device)
         torch.manual_seed(config.seed)
         with torch.device(self.device):

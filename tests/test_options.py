@@ -12,10 +12,39 @@ from engine.errors import InvalidRequestError
                                           ("max_num_batched_tokens", -1), ("num_kv_blocks", 0),
                                           ("dtype", "float64"), ("attention_backend", "cuda"),
                                           ("gpu_memory_utilization", 1.5), ("max_model_len", 0),
-                                          ("enforce_eager", "yes"), ("enable_prefix_caching", 1)])
+                                          ("enforce_eager", "yes"), ("enable_prefix_caching", 1),
+                                          ("cpu_threads", 0), ("cpu_threads", 1.5)])
 def test_bad_engine_option_names_it(option, value):
     with pytest.raises(ValueError, match=option):
         EngineConfig(**{option: value})
+
+
+def test_serve_leaves_a_core_to_the_front_end(monkeypatch):
+    # `pagoda serve`'s engine on CPU: --cpu-threads / PAGODA_CPU_THREADS, by default a core less than
+    # the process may use (so that gRPC's work does not preempt an OpenMP thread of every operator)
+    from client.cli import build_parser
+    from server.main import engine_config
+
+    monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert engine_config(build_parser().parse_args(["serve"])).cpu_threads == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert engine_config(build_parser().parse_args(["serve"])).cpu_threads == 1
+    assert engine_config(build_parser().parse_args(["serve", "--cpu-threads", "2"])).cpu_threads == 2
+    monkeypatch.setenv("PAGODA_CPU_THREADS", "5")
+    assert engine_config(build_parser().parse_args(["serve"])).cpu_threads == 5
+
+
+def test_cpu_threads_set_torch_threads(checkpoint):
+    import torch
+
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        LLM(checkpoint("llama"), num_kv_blocks=8, cpu_threads=want)
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_unknown_llm_option():
