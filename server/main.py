@@ -151,7 +151,7 @@ def serving_cpu_threads() -> int:
     """The engine's default CPU threads under `pagoda serve`: a core less than this process may use.
     With a thread on every core, each message the front-end sends preempts one of the engine's
     OpenMP threads, and every parallel operator then waits for it (on the 2-core build machine, 64
-    streams ran at 0.61 of offline throughput with 2 threads, 0.99 with 1)."""
+    streams ran at 0.61 of offline throughput with 2 threads, 0.97-1.01 with 1)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cores - 1)
 
