@@ -9,8 +9,12 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagoda.v1 import generation_pb2 as pb
+
+if TYPE_CHECKING:  # the engine package pulls in torch; annotations only
+    from engine.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when the request leaves stopping.max_tokens unset (capped by the context)
 MAX_REQUEST_ID_LEN = 256
@@ -97,7 +101,7 @@ class EngineRequest:
     """What the servicer hands to AsyncEngine.generate."""
     request_id: str
     prompt: list[int]
-    params: "SamplingParams"  # engine.SamplingParams
+    params: SamplingParams
     priority: int
 
 
