@@ -152,8 +152,33 @@ def serving_cpu_threads() -> int:
     With a thread on every core, each message the front-end sends preempts one of the engine's
     OpenMP threads, and every parallel operator then waits for it (on the 2-core build machine, 64
     streams ran at 0.61 of offline throughput with 2 threads, 0.97-1.01 with 1)."""
+    return max(1, usable_cores() - 1)
+
+
+def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may run on (its affinity mask), capped by a cgroup CPU quota (a container
+    started with --cpus sees every host core in its mask)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores - 1)
+    quota = _cpu_quota(cgroup)
+    return min(cores, max(1, -(-quota[0] // quota[1]))) if quota else cores
+
+
+def _cpu_quota(root: str) -> tuple[int, int] | None:
+    """(quota, period) from cgroup v2's cpu.max or v1's cfs files; None when unlimited or unknown."""
+    try:
+        with open(f"{root}/cpu.max") as f:
+            fields = f.read().split()
+    except OSError:
+        try:
+            with open(f"{root}/cpu/cpu.cfs_quota_us") as q, open(f"{root}/cpu/cpu.cfs_period_us") as p:
+                fields = [q.read(), p.read()]
+        except OSError:
+            return None
+    try:
+        quota, period = int(fields[0]), int(fields[1])
+    except (ValueError, IndexError):  # "max": no quota
+        return None
+    return (quota, period) if quota > 0 and period > 0 else None
 
 
 def engine_config(args: argparse.Namespace):

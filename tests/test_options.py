@@ -22,10 +22,12 @@ def test_bad_engine_option_names_it(option, value):
 def test_serve_leaves_a_core_to_the_front_end(monkeypatch):
     # `pagoda serve`'s engine on CPU: --cpu-threads / PAGODA_CPU_THREADS, by default a core less than
     # the process may use (so that gRPC's work does not preempt an OpenMP thread of every operator)
+    import server.main
     from client.cli import build_parser
     from server.main import engine_config
 
     monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
+    monkeypatch.setattr(server.main, "_cpu_quota", lambda root: None)  # whatever this machine's cgroup says
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert engine_config(build_parser().parse_args(["serve"])).cpu_threads == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
@@ -33,6 +35,22 @@ def test_serve_leaves_a_core_to_the_front_end(monkeypatch):
     assert engine_config(build_parser().parse_args(["serve", "--cpu-threads", "2"])).cpu_threads == 2
     monkeypatch.setenv("PAGODA_CPU_THREADS", "5")
     assert engine_config(build_parser().parse_args(["serve"])).cpu_threads == 5
+
+
+def test_usable_cores_honours_a_cgroup_quota(tmp_path, monkeypatch):
+    from server.main import usable_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert usable_cores(str(tmp_path)) == 16  # no cgroup files: the affinity mask
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(str(tmp_path)) == 16
+    (tmp_path / "cpu.max").write_text("250000 100000\n")  # docker --cpus 2.5
+    assert usable_cores(str(tmp_path)) == 3
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")  # cgroup v1, one CPU
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cores(str(tmp_path)) == 1
 
 
 def test_cpu_threads_set_torch_threads(checkpoint):
