@@ -148,10 +148,12 @@ def server_options(args: argparse.Namespace):
 
 
 def serving_cpu_threads() -> int:
-    """The engine's default CPU threads under `pagoda serve`: a core less than this process may use.
-    With a thread on every core, each message the front-end sends preempts one of the engine's
-    OpenMP threads, and every parallel operator then waits for it (on the 2-core build machine, 64
-    streams ran at 0.61 of offline throughput with 2 threads, 0.97-1.01 with 1)."""
+    """The engine's default CPU threads under `pagoda serve`: a core less than this process may use,
+    as Intel's vLLM tuning guide reserves one for the API server. With a thread on every core, the
+    front-end's work preempts one of the engine's OpenMP threads and every parallel operator waits
+    for it. Measured on the 2-core build machine (64 streams, load generator on the same machine):
+    0.97-1.01 of offline throughput at 1 engine thread, 0.63-0.70 at 2 (against offline at 2),
+    though 2 threads there still gave 5-15% more tokens per second than 1."""
     return max(1, usable_cores() - 1)
 
 
