@@ -129,9 +129,11 @@ class PagodaServer:
         self.state.engine = engine
         self.state.phase = SERVING
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        info = engine.model_info
-        log.info("serving %s (%s, %s, context %d) on port %d", info.model_id, info.architecture, info.dtype,
-                 info.max_model_len, self.port)
+        info, config = engine.model_info, engine.config
+        device = config.device if config.device != "cpu" or not config.cpu_threads else \
+            f"cpu, {config.cpu_threads} engine thread{'s' * (config.cpu_threads > 1)}"
+        log.info("serving %s (%s, %s, %s, context %d) on port %d", info.model_id, info.architecture, info.dtype,
+                 device, info.max_model_len, self.port)
         self.ready.set()
 
     async def drain(self, grace: float) -> None:
