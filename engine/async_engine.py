@@ -231,9 +231,7 @@ def outcome(seq: Sequence) -> RequestOutput | EngineError:
 def _delta(seq: Sequence) -> RequestOutput:
     """What is new since the last delivery. Text that may yet turn into a stop string is held."""
     text = seq.detokenizer.text
-    end = len(text)
-    if not seq.is_finished and seq.params.stop:
-        end = max(seq.num_text_sent, end - max(len(s) for s in seq.params.stop) + 1)
+    end = len(text) if seq.is_finished else sendable_end(len(text), seq.num_text_sent, seq.params.stop)
     reason = seq.finish_reason
     out = RequestOutput(
         request_id=seq.request_id, index=seq.index, token_ids=seq.generated_token_ids[seq.num_tokens_sent:],
@@ -244,6 +242,12 @@ def _delta(seq: Sequence) -> RequestOutput:
         logprobs=seq.logprobs[seq.num_tokens_sent:seq.num_generated_tokens] if seq.params.logprobs else None)
     seq.num_text_sent, seq.num_tokens_sent = end, seq.num_generated_tokens
     return out
+
+
+def sendable_end(length: int, num_sent: int, stop: list[str]) -> int:
+    """How much of an unfinished stream's text can go out: all but what may yet be the start of a
+    stop string (never less than what was already sent)."""
+    return max(num_sent, length - max(map(len, stop), default=1) + 1)
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -29,7 +29,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator
 
-from engine.async_engine import EngineFront, consume, fail_all, hand_over
+from engine.async_engine import EngineFront, consume, fail_all, hand_over, sendable_end
 from engine.config import EngineConfig
 from engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from engine.errors import EngineClosedError, EngineError, InvalidRequestError
@@ -181,7 +181,7 @@ class _Text:
 
     def __init__(self, tokenizer, prompt_tail: list[int], stop: list[str]):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_tail)
-        self.hold = max(map(len, stop), default=1) - 1
+        self.stop = stop
         self.num_sent = 0
 
     def delta(self, token_ids: list[int], reason: FinishReason | None, cut: int | None) -> str:
@@ -192,7 +192,7 @@ class _Text:
         text = self.detokenizer.text
         end = len(text) if cut is None else cut
         if reason is None:
-            end = max(self.num_sent, end - self.hold)
+            end = sendable_end(end, self.num_sent, self.stop)
         out, self.num_sent = text[self.num_sent:end], end
         return out
 
