@@ -1,7 +1,9 @@
 // PagedAttention on the CPU. Every query token attends over its sequence's cached keys up to its
 // own position, reading K and V in place from the blocks its block table names (no gather, no
-// padding). One work item is one (token, KV head): the GQA group's query heads share each key and
-// value tile while it is in cache. Decode tokens and prefill chunks go through the same loop.
+// padding). One work item is one KV head of a tile of query tokens: a decode token alone, or a few
+// consecutive tokens of a prefill chunk, with the GQA group's query heads; every key and value
+// loaded feeds all of the tile's rows. Decode tokens and prefill chunks go through the same loop,
+// and the items are split over the threads by their cost.
 //
 // Cache layout, per block and KV head (the same bytes per block as the torch and Triton layout,
 // [block_size, num_kv_heads, head_dim], read another way):
@@ -17,6 +19,7 @@
 #include "cpu_math.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -48,17 +51,19 @@ inline void sum_chains(float* out, int64_t out_stride, const float (&acc)[GC][U]
     }
 }
 
-// The two passes over one sequence's blocks for one KV head. D_, BS_ > 0: head and block size
-// fixed at compile time (the common ones), so that the accumulators live in registers; 0: sizes
-// known only at run time. GC query heads of the GQA group go through together, so that each key
-// and value loaded feeds GC multiply-adds.
-template <int64_t D_, int64_t BS_, int64_t GC>
+// The two passes over one sequence's blocks for one KV head, for R = TM * GC query rows: TM
+// consecutive tokens of the sequence (the last one at key count n, the others one key fewer each)
+// times GC query heads of the GQA group. Each key and value loaded feeds R multiply-adds. D_, BS_ > 0:
+// head and block size fixed at compile time, so that the accumulators live in registers; 0: sizes
+// known only at run time (then TM = 1).
+template <int64_t D_, int64_t BS_, int64_t GC, int64_t TM>
 struct Pass {
-  int64_t D, BS, n, stride;  // head and block size, keys seen, scores' row stride (per head)
+  static constexpr int64_t R = TM * GC;
+  int64_t D, BS, n, stride;  // head and block size, keys the last row sees, scores' row stride
   const int32_t* table;      // the sequence's blocks
   int64_t block_stride, head_offset;
 
-  // scores[g][j] = sum_d q[g][d] * k_j[d] for the n keys; q: [GC, D], a block's keys: [D, BS]
+  // scores[r][j] = sum_d q[r][d] * k_j[d] for the n keys; q: [R, D], a block's keys: [D, BS]
   template <typename T>
   void scores(float* __restrict scores, const float* __restrict q, const T* k_cache, const T* v_cache) const {
     const int64_t num_blocks = (n + BS - 1) / BS;
@@ -68,23 +73,23 @@ struct Pass {
       if (b + 2 < num_blocks) prefetch(k_cache + table[b + 2] * block_stride + head_offset, chunk);
       prefetch(v_cache + table[b] * block_stride + head_offset, chunk);
       float* out = scores + b * BS;
-      if constexpr (D_ > 0 && BS_ > 0 && D_ % (8 / GC) == 0) {
-        constexpr int64_t U = 8 / GC;  // 8 independent multiply-add chains
-        float acc[GC][U][BS_] = {};
+      if constexpr (D_ > 0 && BS_ > 0 && D_ % std::max<int64_t>(1, 8 / R) == 0) {
+        constexpr int64_t U = std::max<int64_t>(1, 8 / R);  // at least 8 independent multiply-add chains
+        float acc[R][U][BS_] = {};
         for (int64_t d = 0; d < D_; d += U)
           for (int64_t u = 0; u < U; ++u)
-            for (int64_t g = 0; g < GC; ++g) {
-              const float qd = q[g * D_ + d + u];
+            for (int64_t r = 0; r < R; ++r) {
+              const float qd = q[r * D_ + d + u];
 #pragma omp simd
-              for (int64_t j = 0; j < BS_; ++j) acc[g][u][j] += qd * static_cast<float>(kt[(d + u) * BS_ + j]);
+              for (int64_t j = 0; j < BS_; ++j) acc[r][u][j] += qd * static_cast<float>(kt[(d + u) * BS_ + j]);
             }
         sum_chains(out, stride, acc);
       } else {
-        for (int64_t g = 0; g < GC; ++g) {
-          float* o = out + g * stride;
+        for (int64_t r = 0; r < R; ++r) {
+          float* o = out + r * stride;
           std::fill(o, o + BS, 0.f);
           for (int64_t d = 0; d < D; ++d) {
-            const float qd = q[g * D + d];
+            const float qd = q[r * D + d];
 #pragma omp simd
             for (int64_t j = 0; j < BS; ++j) o[j] += qd * static_cast<float>(kt[d * BS + j]);
           }
@@ -93,12 +98,13 @@ struct Pass {
     }
   }
 
-  // out[g][d] = sum_j p[g][j] * v_j[d] over the n values; out: [GC, D], a block's values: [BS, D]
+  // out[r][d] = sum_j p[r][j] * v_j[d] over the n values; out: [R, D], a block's values: [BS, D].
+  // A row that sees fewer than n keys has zeros past its own.
   template <typename T>
   void weighted_sum(float* __restrict out, const float* __restrict p, const T* v_cache) const {
     if constexpr (D_ > 0 && BS_ > 0) {
-      constexpr int64_t U = std::max<int64_t>(1, (D_ <= 64 ? 4 : 2) / GC);
-      float acc[GC][U][D_] = {};  // kept across blocks
+      constexpr int64_t U = std::max<int64_t>(1, (D_ <= 64 ? 4 : 2) / R);
+      float acc[R][U][D_] = {};  // kept across blocks
       for (int64_t b = 0; b * BS_ < n; ++b) {
         const T* __restrict v = v_cache + table[b] * block_stride + head_offset;
         const float* pb = p + b * BS_;
@@ -106,93 +112,162 @@ struct Pass {
         int64_t j = 0;
         for (; j + U <= m; j += U)
           for (int64_t u = 0; u < U; ++u)
-            for (int64_t g = 0; g < GC; ++g) {
-              const float pj = pb[g * stride + j + u];
+            for (int64_t r = 0; r < R; ++r) {
+              const float pj = pb[r * stride + j + u];
 #pragma omp simd
-              for (int64_t d = 0; d < D_; ++d) acc[g][u][d] += pj * static_cast<float>(v[(j + u) * D_ + d]);
+              for (int64_t d = 0; d < D_; ++d) acc[r][u][d] += pj * static_cast<float>(v[(j + u) * D_ + d]);
             }
         for (; j < m; ++j)
-          for (int64_t g = 0; g < GC; ++g) {
-            const float pj = pb[g * stride + j];
+          for (int64_t r = 0; r < R; ++r) {
+            const float pj = pb[r * stride + j];
 #pragma omp simd
-            for (int64_t d = 0; d < D_; ++d) acc[g][0][d] += pj * static_cast<float>(v[j * D_ + d]);
+            for (int64_t d = 0; d < D_; ++d) acc[r][0][d] += pj * static_cast<float>(v[j * D_ + d]);
           }
       }
       sum_chains(out, D_, acc);
     } else {
-      std::fill(out, out + GC * D, 0.f);
+      std::fill(out, out + R * D, 0.f);
       for (int64_t b = 0; b * BS < n; ++b) {
         const T* v = v_cache + table[b] * block_stride + head_offset;
         for (int64_t j = 0; j < std::min(BS, n - b * BS); ++j)
-          for (int64_t g = 0; g < GC; ++g) {
-            const float pj = p[g * stride + b * BS + j];
+          for (int64_t r = 0; r < R; ++r) {
+            const float pj = p[r * stride + b * BS + j];
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) out[g * D + d] += pj * static_cast<float>(v[j * D + d]);
+            for (int64_t d = 0; d < D; ++d) out[r * D + d] += pj * static_cast<float>(v[j * D + d]);
           }
       }
     }
   }
 };
 
-// row[0, n) -> exp(row - max(row)) in place; returns 1 / their sum
-inline float softmax_unnormalized(float* row, int64_t n) {
-  // max over 16 lanes, then across them: a max reduction loop does not vectorize
+// x[0, 16) -> their max (MAX) or sum, by halves (a reduction loop would add them one by one)
+template <bool MAX>
+inline float reduce16(float* x) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) x[l] = MAX ? (x[l + w] > x[l] ? x[l + w] : x[l]) : x[l] + x[l + w];
+  return x[0];
+}
+
+// row[0, n) -> exp(row - max(row)) in place, row[n, padded) -> 0; returns 1 / the sum. padded: n
+// rounded up to a multiple of 16 that the row has room for, so that both loops run whole vectors.
+inline float softmax_unnormalized(float* row, int64_t n, int64_t padded) {
   float lanes[16];
-  std::fill(lanes, lanes + 16, row[0]);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    for (int64_t l = 0; l < 16; ++l) lanes[l] = row[j + l] > lanes[l] ? row[j + l] : lanes[l];
-  for (; j < n; ++j) lanes[0] = row[j] > lanes[0] ? row[j] : lanes[0];
-  const float mx = *std::max_element(lanes, lanes + 16);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (j = 0; j < n; ++j) {
-    row[j] = pagoda::exp_approx(row[j] - mx);
-    sum += row[j];
+  std::fill(lanes, lanes + 16, -INFINITY);
+  for (int64_t j = 0; j < padded; j += 16)
+#pragma omp simd
+    for (int64_t l = 0; l < 16; ++l) {
+      const float v = j + l < n ? row[j + l] : -INFINITY;
+      lanes[l] = v > lanes[l] ? v : lanes[l];
+    }
+  const float mx = reduce16<true>(lanes);
+  std::fill(lanes, lanes + 16, 0.f);
+  for (int64_t j = 0; j < padded; j += 16)
+#pragma omp simd
+    for (int64_t l = 0; l < 16; ++l) {
+      const float e = j + l < n ? pagoda::exp_approx(row[j + l] - mx) : 0.f;
+      row[j + l] = e;
+      lanes[l] += e;
+    }
+  return 1.f / reduce16<false>(lanes);
+}
+
+// Work: `count` consecutive query tokens from flat index `token`, all of one sequence; one item per
+// KV head. cost ~ the multiply-adds, to split the items evenly over the threads.
+struct Tile {
+  int64_t token, count, cost;
+};
+
+// tokens -> tiles of tm consecutive tokens of one sequence where they run that long, single tokens
+// otherwise (decode rows, a chunk's remainder)
+std::vector<Tile> tile_tokens(const std::vector<int64_t>& seq_of, const std::vector<int64_t>& pos_of, int64_t tm) {
+  std::vector<Tile> tiles;
+  const int64_t num_tokens = static_cast<int64_t>(seq_of.size());
+  for (int64_t t = 0; t < num_tokens;) {
+    int64_t run = 1;
+    while (t + run < num_tokens && seq_of[t + run] == seq_of[t] && pos_of[t + run] == pos_of[t] + run) ++run;
+    const int64_t full = tm > 1 ? run / tm * tm : 0;
+    for (int64_t i = 0; i < full; i += tm) tiles.push_back({t + i, tm, tm * (pos_of[t + i + tm - 1] + 1) + 16});
+    for (int64_t i = full; i < run; ++i) tiles.push_back({t + i, 1, pos_of[t + i] + 1 + 16});
+    t += run;
   }
-  return 1.f / sum;
+  return tiles;
+}
+
+template <typename T, int64_t D_, int64_t BS_, int64_t GC, int64_t TM>
+void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t t0,
+                 int64_t n, int64_t h, float scale, const Shape& s, std::vector<float>& qf,
+                 std::vector<float>& acc, std::vector<float>& scores) {
+  const int64_t D = D_ ? D_ : s.head_dim, BS = BS_ ? BS_ : s.block_size, G = s.group;
+  const int64_t head_stride = D * BS, block_stride = s.kv_heads * head_stride;
+  constexpr int64_t R = TM * GC;
+  const int64_t num_blocks = (n + BS - 1) / BS;
+  // score rows padded to whole 16-lane vectors for the softmax
+  const Pass<D_, BS_, GC, TM> pass{D, BS, n, (num_blocks * BS + 15) / 16 * 16, table, block_stride, h * head_stride};
+  scores.resize(R * pass.stride);  // the tail of the last block past n is computed and ignored
+  for (int64_t g0 = 0; g0 < G; g0 += GC) {
+    const int64_t first = h * G + g0;  // the first query head of this pass
+    for (int64_t i = 0; i < TM; ++i)
+      for (int64_t g = 0; g < GC; ++g)
+        for (int64_t d = 0; d < D; ++d)
+          qf[(i * GC + g) * D + d] = static_cast<float>(q[(t0 + i) * s.q_tok + (first + g) * s.q_head + d]) * scale;
+    pass.scores(scores.data(), qf.data(), k_cache, v_cache);
+    float inv[R];
+    for (int64_t i = 0; i < TM; ++i) {
+      const int64_t seen = n - (TM - 1 - i);  // token i sees the keys up to its own position
+      for (int64_t g = 0; g < GC; ++g) {
+        float* row = &scores[(i * GC + g) * pass.stride];
+        inv[i * GC + g] = softmax_unnormalized(row, seen, pass.stride);
+      }
+    }
+    pass.weighted_sum(acc.data(), scores.data(), v_cache);
+    for (int64_t i = 0; i < TM; ++i)
+      for (int64_t g = 0; g < GC; ++g) {
+        T* oh = out + ((t0 + i) * s.heads + first + g) * D;
+        for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[(i * GC + g) * D + d] * inv[i * GC + g]);
+      }
+  }
 }
 
 template <typename T, int64_t D_, int64_t BS_, int64_t GC>
 void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_t* tables,
             const std::vector<int64_t>& seq_of, const std::vector<int64_t>& pos_of, float scale,
             const Shape& s) {
-  const int64_t D = D_ ? D_ : s.head_dim, BS = BS_ ? BS_ : s.block_size, G = s.group;
-  const int64_t head_stride = D * BS, block_stride = s.kv_heads * head_stride;
-  const int64_t num_tokens = static_cast<int64_t>(seq_of.size()), num_items = num_tokens * s.kv_heads;
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(GC * D), acc(GC * D), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      // tokens zig-zag (first, last, second, second last, ...): rows come longest context first,
-      // and each thread's contiguous range of items then holds long and short ones alike
-      const int64_t u = item / s.kv_heads, h = item % s.kv_heads;
-      const int64_t t = u % 2 == 0 ? u / 2 : num_tokens - 1 - u / 2;
-      const int64_t n = pos_of[t] + 1;  // the keys this token sees
+  // query tokens per tile: R = TM * GC rows of accumulators, D floats each, stay in registers
+  constexpr int64_t TM = D_ > 0 && BS_ > 0 ? std::max<int64_t>(1, 256 / (GC * D_)) : 1;
+  const int64_t D = D_ ? D_ : s.head_dim;
+  const std::vector<Tile> tiles = tile_tokens(seq_of, pos_of, TM);
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * s.kv_heads;
+  // contiguous runs of items of about equal cost, one per thread
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  std::vector<int64_t> bounds{0};
+  int64_t total = 0;
+  for (const Tile& tile : tiles) total += tile.cost * s.kv_heads;
+  int64_t so_far = 0;
+  for (int64_t i = 0; i < num_items; ++i) {
+    so_far += tiles[i / s.kv_heads].cost;
+    while (static_cast<int64_t>(bounds.size()) < num_threads && so_far * num_threads >= total * static_cast<int64_t>(bounds.size()))
+      bounds.push_back(i + 1);
+  }
+  while (static_cast<int64_t>(bounds.size()) <= num_threads) bounds.push_back(num_items);
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(TM * GC * D), acc(TM * GC * D), scores;
+    for (int64_t item = bounds[begin]; item < bounds[end]; ++item) {
+      const Tile& tile = tiles[item / s.kv_heads];
+      const int64_t h = item % s.kv_heads, t = tile.token + tile.count - 1;  // the tile's last token
+      const int64_t n = pos_of[t] + 1;  // the keys it sees
       if (n <= 0) {  // a padding row (context 0): zeros
-        std::fill(out + t * s.heads * D + h * G * D, out + t * s.heads * D + (h + 1) * G * D, static_cast<T>(0));
+        std::fill(out + t * s.heads * D + h * s.group * D, out + t * s.heads * D + (h + 1) * s.group * D,
+                  static_cast<T>(0));
         continue;
       }
-      const int64_t num_blocks = (n + BS - 1) / BS;
       const int32_t* table = tables + seq_of[t] * s.blocks_per_seq;
-      for (int64_t b = 0; b < num_blocks; ++b)
+      for (int64_t b = 0; b < (n + s.block_size - 1) / s.block_size; ++b)
         TORCH_CHECK(table[b] >= 0 && table[b] < s.num_blocks, "block table entry ", table[b],
                     " is outside the cache (", s.num_blocks, " blocks)");
-      const Pass<D_, BS_, GC> pass{D, BS, n, num_blocks * BS, table, block_stride, h * head_stride};
-      scores.resize(GC * pass.stride);  // the tail of the last block past n is computed and ignored
-      for (int64_t g0 = 0; g0 < G; g0 += GC) {
-        const int64_t first = h * G + g0;  // the first query head of this pass
-        for (int64_t g = 0; g < GC; ++g)
-          for (int64_t d = 0; d < D; ++d)
-            qf[g * D + d] = static_cast<float>(q[t * s.q_tok + (first + g) * s.q_head + d]) * scale;
-        pass.scores(scores.data(), qf.data(), k_cache, v_cache);
-        float inv[GC];
-        for (int64_t g = 0; g < GC; ++g) inv[g] = softmax_unnormalized(&scores[g * pass.stride], n);
-        pass.weighted_sum(acc.data(), scores.data(), v_cache);
-        for (int64_t g = 0; g < GC; ++g) {
-          T* oh = out + (t * s.heads + first + g) * D;
-          for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[g * D + d] * inv[g]);
-        }
-      }
+      if (tile.count == TM)
+        attend_tile<T, D_, BS_, GC, TM>(out, q, k_cache, v_cache, table, tile.token, n, h, scale, s, qf, acc, scores);
+      else
+        attend_tile<T, D_, BS_, GC, 1>(out, q, k_cache, v_cache, table, tile.token, n, h, scale, s, qf, acc, scores);
     }
   });
 }
