@@ -78,13 +78,15 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> tuple[list[int], list | None]:
         input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
-        sample_seqs = [s for i, s in enumerate(sched.seqs) if sched.samples(i)]
+        seqs, sampling = sched.seqs, sched.sampling
+        sample_seqs = seqs if all(sampling) else [s for s, x in zip(seqs, sampling) if x]
         graphs = self.decode_graphs
         if not sample_seqs:
             self.model(input_ids, positions, meta)  # prefill chunks only: nothing to sample
             return [], None
-        if graphs is not None and meta.num_decode_tokens == len(sched.seqs) <= graphs.max_batch:
-            logits = graphs.run(input_ids, positions, meta)[logits_idx]  # a decode row per sequence
+        if graphs is not None and meta.num_decode_tokens == len(seqs) <= graphs.max_batch:
+            logits = graphs.run(input_ids, positions, meta)  # a decode row per sequence
+            logits = logits if logits_idx is None else logits[logits_idx]
         else:
             logits = self._eager_logits(input_ids, positions, meta, logits_idx)
         if all(s.params.is_plain_greedy and s.num_generated_tokens >= s.params.min_tokens for s in sample_seqs):
@@ -97,11 +99,10 @@ class ModelRunner:
     def _prepare_inputs(self, sched: SchedulerOutput):
         seqs, bs = sched.seqs, self.block_size
         # one pass over the sequences (this runs every step; numpy does the rest)
-        starts, totals, ids, tables = [], [], [], []
+        starts, ids, tables = [], [], []
         for s, n in zip(seqs, sched.num_new_tokens):
             a = s.num_computed_tokens
             starts.append(a)
-            totals.append(len(s.token_ids))
             ids += s.token_ids[a:a + n]
             tables.append(s.block_table)
         counts_np = np.array(sched.num_new_tokens, dtype=np.int64)
@@ -121,8 +122,9 @@ class ModelRunner:
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         num_decodes = int(np.sum(counts_np == 1))
         cu = np.concatenate([[0], np.cumsum(counts_np[num_decodes:])]).astype(np.int32)
-        samples = ends == np.array(totals)
-        logits_idx = (np.cumsum(counts_np) - 1)[samples]
+        samples = np.array(sched.sampling, dtype=bool)
+        # the rows to sample from; None: every row (a decode step), no gather needed
+        logits_idx = None if num_tokens == len(seqs) and samples.all() else (np.cumsum(counts_np) - 1)[samples]
         lens = ends.astype(np.int32)
 
         def t(a, dtype):
@@ -140,7 +142,8 @@ class ModelRunner:
             max_context_len=int(ends.max()),
             decode_groups=_decode_groups(ends[:num_decodes], bs) if self.pads_decodes else (),
         )
-        return t(input_ids, torch.int64), t(positions, torch.int64), meta, t(logits_idx, torch.int64)
+        logits_idx = None if logits_idx is None else t(logits_idx, torch.int64)
+        return t(input_ids, torch.int64), t(positions, torch.int64), meta, logits_idx
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]

@@ -1,5 +1,6 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption."""
 import bisect
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -22,10 +23,14 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @functools.cached_property
+    def sampling(self) -> list[bool]:
+        """Per seq: whether it reaches its last token this step, and so samples the next one
+        (worked out once, on first use, before postprocess advances the counts)."""
+        return [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
+
     def samples(self, i: int) -> bool:
-        """Whether seq i reaches its last token this step, and so samples the next one."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return self.sampling[i]
 
 
 class Scheduler:
@@ -113,9 +118,8 @@ class Scheduler:
         """Advance computed counts, append sampled tokens (one per sampling seq, in order),
         finish sequences that stop. Returns the sequences that got a token."""
         updated, j = [], 0
-        for i, seq in enumerate(out.seqs):
-            samples = out.samples(i)
-            seq.num_computed_tokens += out.num_new_tokens[i]
+        for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
+            seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
             if not samples:
                 continue

@@ -387,7 +387,9 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
     const scalar_t *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
     scalar_t *kc = k_cache.data_ptr<scalar_t>(), *vc = v_cache.data_ptr<scalar_t>();
     const int64_t k_tok = k.stride(0), k_head = k.stride(1), v_tok = v.stride(0), v_head = v.stride(1);
-    at::parallel_for(0, num_tokens, std::max<int64_t>(1, 8192 / (KVH * D)), [&](int64_t begin, int64_t end) {
+    // each token writes head_dim cache lines per KV head (the keys are stored transposed), so even
+    // a decode step's few tokens are worth splitting over the threads
+    at::parallel_for(0, num_tokens, std::max<int64_t>(1, 2048 / (KVH * D)), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         if (slots[t] < 0) continue;
         const int64_t block = slots[t] / BS, off = slots[t] % BS;
