@@ -57,17 +57,20 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         self._schedule_waiting(out, budget)
         # single-token queries first, longest context first (lets attention group similar lengths)
-        order = sorted(range(len(out.seqs)), key=lambda i: (out.num_new_tokens[i] != 1, -out.seqs[i].num_tokens))
+        keys = [(n != 1, -len(s.token_ids)) for s, n in zip(out.seqs, out.num_new_tokens)]
+        order = sorted(range(len(keys)), key=keys.__getitem__)
         out.seqs = [out.seqs[i] for i in order]
         out.num_new_tokens = [out.num_new_tokens[i] for i in order]
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
+        i, bs = 0, self.block_manager.block_size
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_append(seq, seq.num_computed_tokens + n):
+            # most decode steps fit in the blocks a sequence holds: no allocator call to ask
+            fits = seq.num_computed_tokens + n <= len(seq.block_table) * bs
+            while not fits and not self.block_manager.can_append(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the newest (lowest priority) running sequence
                 self._preempt(victim, out)
                 if victim is seq:
@@ -117,10 +120,11 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """Advance computed counts, append sampled tokens (one per sampling seq, in order),
         finish sequences that stop. Returns the sequences that got a token."""
-        updated, j = [], 0
+        updated, j, bs = [], 0, self.block_manager.block_size
         for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
             seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
+            if seq.num_computed_tokens // bs > seq.num_registered_blocks:  # a block was filled
+                self.block_manager.register_full_blocks(seq)
             if not samples:
                 continue
             seq.token_ids.append(sampled[j])
@@ -147,16 +151,18 @@ class Scheduler:
 
 def check_stop(seq: Sequence, max_model_len: int) -> FinishReason | None:
     """Token-level stops plus stop strings (through the sequence's detokenizer)."""
-    params, token = seq.params, seq.token_ids[-1]
-    if seq.detokenizer is not None:
-        seq.detokenizer.append(token)
-    if seq.num_generated_tokens >= params.min_tokens:
+    params, token, detokenizer = seq.params, seq.token_ids[-1], seq.detokenizer
+    if detokenizer is not None:
+        detokenizer.append(token)
+    num_tokens = len(seq.token_ids)
+    num_generated = num_tokens - seq.num_prompt_tokens
+    if num_generated >= params.min_tokens:
         if not params.ignore_eos and token in seq.eos_token_ids:
             return FinishReason.EOS
         if token in params.stop_token_ids:
             return FinishReason.STOP_TOKEN
-        if seq.detokenizer is not None and seq.detokenizer.find_stop(params.stop):
+        if params.stop and detokenizer is not None and detokenizer.find_stop(params.stop):
             return FinishReason.STOP_STRING
-    if seq.num_generated_tokens >= seq.max_tokens or seq.num_tokens >= max_model_len:
+    if num_generated >= seq.max_tokens or num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
