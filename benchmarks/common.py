@@ -135,12 +135,16 @@ def make_workload(tokenizer, num_requests, input_len, output_len, seed) -> list[
     return [(rng.choice(pool, size=int(n)).tolist(), int(m)) for n, m in zip(in_lens, out_lens)]
 
 
-def workloads(args, path: str):
-    """(workload, warm-up) from the workload flags: the warm-up is 4 other random prompts (another
-    seed, so no prefix is shared with the workload), 4 tokens each."""
+def workloads(args, path: str, repeats: int | None = None):
+    """(workload, warm-up) from the workload flags: the warm-up is 4 other random prompts (a seed
+    no run uses, so no prefix is shared with the workload), 4 tokens each. With `repeats`, a list
+    of that many workloads (seeds seed, seed + 1, ...) in place of the one."""
     tokenizer = load_tokenizer(path)
-    workload = make_workload(tokenizer, args.num_requests, args.input_len, args.output_len, args.seed)
-    return workload, make_workload(tokenizer, 4, args.input_len, (4, 4), args.seed + 1)
+    n = repeats or 1
+    runs = [make_workload(tokenizer, args.num_requests, args.input_len, args.output_len, args.seed + i)
+            for i in range(n)]
+    warmup = make_workload(tokenizer, 4, args.input_len, (4, 4), args.seed + n)
+    return (runs if repeats is not None else runs[0]), warmup
 
 
 def load_tokenizer(path: str):

@@ -2,9 +2,12 @@
 batching (`generate_batch`), on the same random-weight model and the same random-token prompts.
 
 Every request is greedy and generates exactly its output length (EOS ignored); each peer is loaded,
-warmed up on a tiny run, timed end to end, then freed before the next one.
+warmed up on a tiny run, timed end to end, then freed before the next one. With --repeats N each
+peer runs N workloads drawn alike (seeds seed, seed + 1, ...; every peer gets the same ones, and no
+prompt repeats, so no prefix cache helps), and the table gives each peer's median run: on a shared
+machine one run can be 10-20% off.
 
-    python benchmarks/throughput.py --model-config tiny --num-requests 64 --input-len 32 256 --output-len 128 128
+    python benchmarks/throughput.py --model-config tiny --num-requests 64 --input-len 32 256 --output-len 128 128 --repeats 3
 """
 import argparse
 import contextlib
@@ -35,7 +38,7 @@ def check_lengths(peer: str, outputs: list[list[int]], workload) -> None:
 # ---- the peers: set up (untimed), run a workload, close ----
 
 class Pagoda:
-    def __init__(self, path, args, workload):
+    def __init__(self, path, args, runs):
         from engine import LLM
         self.llm = LLM(path, dtype=args.dtype, device=args.device)
 
@@ -82,7 +85,7 @@ def load_hf(path, args):
 class HFGenerate:
     """Static batches in request order, left-padded; each batch runs to its longest output."""
 
-    def __init__(self, path, args, workload):
+    def __init__(self, path, args, runs):
         self.model = load_hf(path, args)
         self.batch_size = args.hf_batch_size
         pad = self.model.generation_config.pad_token_id
@@ -124,16 +127,16 @@ class HFGenerateBatch:
     so we drive the manager it wraps (the same code path, sized with the same workload hints) to give
     each request its own length. The manager (KV cache allocation) is set up once, outside the timing."""
 
-    def __init__(self, path, args, workload):
+    def __init__(self, path, args, runs):
         from transformers import GenerationConfig
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
         self.model = load_hf(path, args)
-        longest = max(n for _, n in workload)
+        longest = max(n for workload in runs for _, n in workload)
         config = GenerationConfig(do_sample=False, max_new_tokens=longest, eos_token_id=-1,
                                   pad_token_id=self.model.generation_config.pad_token_id)
-        hints = WorkloadHints(max_prompt_length=max(len(ids) for ids, _ in workload),
-                              max_generated_length=longest, num_requests=len(workload))
+        hints = WorkloadHints(max_prompt_length=max(len(ids) for workload in runs for ids, _ in workload),
+                              max_generated_length=longest, num_requests=max(len(w) for w in runs))
         # its own warm-up captures CUDA graphs; on CPU it only runs forwards at the largest sizes
         self.stack = contextlib.ExitStack()
         self.manager = self.stack.enter_context(self.model.continuous_batching_context_manager(
@@ -174,24 +177,30 @@ PEER_CLASSES = {"pagoda": Pagoda, "hf-generate": HFGenerate, "hf-generate-batch"
 
 # ---- timing ----
 
-def bench_peer(name: str, path: str, workload, warmup, args) -> dict:
-    """Set up, warm up, time one full run, free; returns the measurements."""
-    peer = PEER_CLASSES[name](path, args, workload)
+def bench_peer(name: str, path: str, runs, warmup, args) -> dict:
+    """Set up, warm up, time each workload of `runs` end to end, free. Returns the median run's
+    measurements, every run's time, and the first run's outputs."""
+    peer = PEER_CLASSES[name](path, args, runs)
     try:
         peer.run(warmup)
         sync(args.device)
-        with tqdm(total=len(workload), desc=name, unit="req", file=sys.stderr, disable=args.no_progress) as bar:
-            start = time.perf_counter()
-            outputs = peer.run(workload, bar)
-            sync(args.device)
-            elapsed = time.perf_counter() - start
+        timed = []
+        for i, workload in enumerate(runs):
+            desc = name if len(runs) == 1 else f"{name} {i + 1}/{len(runs)}"
+            with tqdm(total=len(workload), desc=desc, unit="req", file=sys.stderr, disable=args.no_progress) as bar:
+                start = time.perf_counter()
+                outputs = peer.run(workload, bar)
+                sync(args.device)
+                elapsed = time.perf_counter() - start
+            check_lengths(name, outputs, workload)
+            timed.append((measurements(name, workload, elapsed), outputs))
         stats = dict(getattr(peer, "stats", {}))
     finally:
         peer.close()
         del peer
         free_memory(args.device)
-    check_lengths(name, outputs, workload)
-    return measurements(name, workload, elapsed) | stats | {"outputs": outputs}
+    median = sorted(timed, key=lambda t: t[0]["requests_per_s"])[len(timed) // 2][0]
+    return median | {"runs_s": [t[0]["elapsed_s"] for t in timed]} | stats | {"outputs": timed[0][1]}
 
 
 def sync(device: str) -> None:
@@ -223,12 +232,17 @@ def agreement(reference: list[list[int]], other: list[list[int]], prefix: int = 
 
 def report(results: list[dict]) -> str:
     pagoda = next((r for r in results if r["peer"] == "pagoda"), None)
+    repeated = any(len(r["runs_s"]) > 1 for r in results)
     rows = []
     for r in results:
         ratio = f"{pagoda['requests_per_s'] / r['requests_per_s']:.2f}x" if pagoda and r is not pagoda else "-"
-        rows.append([r["peer"], f"{r['elapsed_s']:.2f}", f"{r['requests_per_s']:.2f}",
-                     f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.1f}", ratio])
+        row = [r["peer"], f"{r['elapsed_s']:.2f}", f"{r['requests_per_s']:.2f}",
+               f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.1f}", ratio]
+        rows.append(row + ([" / ".join(f"{t:.2f}" for t in r["runs_s"])] if repeated else []))
     headers = ["peer", "time s", "requests/s", "output tok/s", "total tok/s", "pagoda speed-up"]
+    if repeated:
+        headers[1] = "time s (median run)"
+        headers.append("every run, s")
     return common.markdown_table(headers, rows)
 
 
@@ -246,13 +260,16 @@ def notes(results: list[dict], workload) -> str:
     return "\n".join(f"- {line}" for line in lines)
 
 
-def workload_summary(args, path: str, workload) -> str:
+def workload_summary(args, path: str, runs) -> str:
+    workload = runs[0]
     prompt = sum(len(ids) for ids, _ in workload)
     output = sum(n for _, n in workload)
     model = args.model or f"{args.model_config} (random weights, {path})"
+    seeds = f"seed {args.seed}" if len(runs) == 1 else (
+        f"{len(runs)} runs per peer with seeds {args.seed}..{args.seed + len(runs) - 1} (the first has these totals)")
     return (f"Model {model}, {args.device} {args.dtype}. {len(workload)} requests, prompts "
             f"{args.input_len[0]}..{args.input_len[1]} tokens ({prompt} in all), outputs "
-            f"{args.output_len[0]}..{args.output_len[1]} tokens ({output} in all), seed {args.seed}, greedy, "
+            f"{args.output_len[0]}..{args.output_len[1]} tokens ({output} in all), {seeds}, greedy, "
             f"EOS ignored" + (f"; hf-generate batches of {args.hf_batch_size}." if "hf-generate" in args.peers
                               else "."))
 
@@ -263,22 +280,29 @@ def parse_args(argv=None):
     common.add_workload_args(p)
     p.add_argument("--hf-batch-size", type=int, default=16, help="static generate batch size (default 16)")
     p.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per peer, each on its own workload (seeds seed, seed + 1, ...); the table "
+                        "gives the median run (default 1)")
     p.add_argument("--json", metavar="PATH", help="write the measurements here")
     common.add_results_args(p)
     p.add_argument("--no-progress", action="store_true")
-    return common.finish_args(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    return common.finish_args(args)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     path = common.model_path(args)
-    workload, warmup = common.workloads(args, path)
-    summary = workload_summary(args, path, workload)
+    runs, warmup = common.workloads(args, path, args.repeats)
+    workload = runs[0]
+    summary = workload_summary(args, path, runs)
     print(summary, file=sys.stderr)
     results = []
     try:
         for peer in args.peers:
-            results.append(bench_peer(peer, path, workload, warmup, args))
+            results.append(bench_peer(peer, path, runs, warmup, args))
     except LengthMismatch as e:
         print(f"ERROR: {e}", file=sys.stderr)
         return 1
@@ -305,7 +329,7 @@ def write_json(path: str, args, model_path: str, results: list[dict]) -> None:
            "model": model_path, "model_config": None if args.model else args.model_config,
            "device": args.device, "dtype": args.dtype, "num_requests": args.num_requests,
            "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
-           "hf_batch_size": args.hf_batch_size, "results": results}
+           "hf_batch_size": args.hf_batch_size, "repeats": args.repeats, "results": results}
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)
     print(f"wrote {path}", file=sys.stderr)

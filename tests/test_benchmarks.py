@@ -36,6 +36,20 @@ def test_throughput_against_both_transformers_peers(checkpoint, tmp_path):
     assert "| pagoda |" in r.stdout and "pagoda speed-up" in r.stdout
 
 
+def test_throughput_repeats_report_the_median_run(checkpoint, tmp_path):
+    out = tmp_path / "t.json"
+    r = _run("throughput.py", "--model", checkpoint("llama"), *WORKLOAD, "--peers", "pagoda", "hf-generate",
+             "--repeats", "3", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["repeats"] == 3
+    for x in doc["results"]:
+        assert len(x["runs_s"]) == 3 and x["elapsed_s"] == sorted(x["runs_s"])[1]
+    assert "every run, s" in r.stdout and "3 runs per peer" in r.stderr
+    bad = _run("throughput.py", "--model", checkpoint("llama"), *WORKLOAD, "--repeats", "0")
+    assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr
+
+
 @pytest.mark.parametrize("load", [["--concurrency", "3"], ["--request-rate", "20"]])
 def test_serving_against_a_spawned_server(checkpoint, tmp_path, load):
     out = tmp_path / "s.json"
