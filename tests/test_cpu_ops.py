@@ -76,7 +76,8 @@ def test_decode_attention_matches_torch(dtype, head_dim, num_heads, num_kv_heads
 def test_prefill_attention_over_a_cached_context_matches_torch(dtype, head_dim, num_heads, num_kv_heads,
                                                                block_size):
     # (new tokens, context including them): a fresh prompt, chunks after a cached prefix, single tokens
-    # (the op takes prompt tokens in tiles of up to 8: lengths that leave remainders, and single tokens)
+    # (prompt tokens go through the op in tiles, with remainders; whole prompts of sdpa_min_tokens or
+    # more through torch's flash attention: 65 and 80 tokens at head sizes other than 32 and 64)
     shapes = [(20, 20), (5, 37), (80, 80), (1, 9), (block_size, 2 * block_size), (33, 33), (1, 1), (65, 65)]
     num_blocks = 96
     (k, v), (k_ops, v_ops) = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=1)
