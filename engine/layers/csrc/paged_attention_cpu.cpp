@@ -239,13 +239,12 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * s.kv_heads;
   // contiguous runs of items of about equal cost, one per thread
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  std::vector<int64_t> bounds{0};
-  int64_t total = 0;
+  std::vector<int64_t> bounds{0};  // thread i takes items [bounds[i], bounds[i + 1])
+  int64_t total = 0, so_far = 0;
   for (const Tile& tile : tiles) total += tile.cost * s.kv_heads;
-  int64_t so_far = 0;
   for (int64_t i = 0; i < num_items; ++i) {
     so_far += tiles[i / s.kv_heads].cost;
-    while (static_cast<int64_t>(bounds.size()) < num_threads && so_far * num_threads >= total * static_cast<int64_t>(bounds.size()))
+    for (int64_t k = static_cast<int64_t>(bounds.size()); k < num_threads && so_far * num_threads >= total * k; ++k)
       bounds.push_back(i + 1);
   }
   while (static_cast<int64_t>(bounds.size()) <= num_threads) bounds.push_back(num_items);
