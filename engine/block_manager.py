@@ -97,9 +97,9 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Make seq's newly completed (computed and full) blocks findable by later requests."""
-        if not self.enable_prefix_caching:
-            return
         n = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or n <= seq.num_registered_blocks:  # no block filled since
+            return
         hashes = self._hashes(seq, n)
         for i in range(seq.num_registered_blocks, n):
             h, block = hashes[i], self.blocks[seq.block_table[i]]
@@ -135,7 +135,8 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether a running sequence can grow to hold num_tokens tokens in all."""
-        return self.num_blocks_for(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+        held = len(seq.block_table)
+        return num_tokens <= held * self.block_size or self.num_blocks_for(num_tokens) - held <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_tokens: int) -> None:
         self._grow(seq, num_tokens)

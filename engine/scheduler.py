@@ -64,13 +64,11 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i, bs = 0, self.block_manager.block_size
+        i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # most decode steps fit in the blocks a sequence holds: no allocator call to ask
-            fits = seq.num_computed_tokens + n <= len(seq.block_table) * bs
-            while not fits and not self.block_manager.can_append(seq, seq.num_computed_tokens + n):
+            while not self.block_manager.can_append(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the newest (lowest priority) running sequence
                 self._preempt(victim, out)
                 if victim is seq:
@@ -120,11 +118,10 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
         """Advance computed counts, append sampled tokens (one per sampling seq, in order),
         finish sequences that stop. Returns the sequences that got a token."""
-        updated, j, bs = [], 0, self.block_manager.block_size
+        updated, j = [], 0
         for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens // bs > seq.num_registered_blocks:  # a block was filled
-                self.block_manager.register_full_blocks(seq)
+            self.block_manager.register_full_blocks(seq)
             if not samples:
                 continue
             seq.token_ids.append(sampled[j])
