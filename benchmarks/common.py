@@ -9,10 +9,7 @@ import tempfile
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # `engine` and the stubs importable when run as a script
-    sys.path.insert(0, os.path.join(ROOT, "protos"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # pagoda itself comes from the venv
 
 RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 CHECKPOINT_VERSION = "1"
@@ -100,7 +97,7 @@ def cache_root() -> str:
 
 
 def cached_checkpoint(name: str) -> str:
-    from engine.demo import build_tiny_checkpoint
+    from pagoda.engine.demo import build_tiny_checkpoint
 
     path = os.path.join(cache_root(), f"bench-{name}-v{CHECKPOINT_VERSION}")
     if os.path.exists(os.path.join(path, "config.json")):

@@ -8,7 +8,7 @@ For each shape: the kernel's median time (triton.testing.do_bench, L2 flushed be
 bandwidth it achieves on the bytes that must move (K/V read once + q read + out written; for the
 cache write: k/v read + cache written), that bandwidth as a fraction of a large device-to-device
 copy measured in the same run, and the times of the engine's torch implementation
-(engine.layers.attention) and of torch's scaled_dot_product_attention on K/V already gathered into
+(pagoda.engine.layers.attention) and of torch's scaled_dot_product_attention on K/V already gathered into
 contiguous tensors (the gather is not timed). Needs a CUDA GPU (exit status 2 without one);
 --cpu-smoke runs tiny shapes through Triton's interpreter on CPU to check this script only.
 
@@ -413,7 +413,7 @@ def resource_usage(cubin: bytes) -> dict:
 def compile_only(args) -> int:
     from triton.backends.compiler import GPUTarget
 
-    from engine.layers import triton_attention as ta
+    from pagoda.engine.layers import triton_attention as ta
 
     if ta._interpreted():
         print("--compile-only needs TRITON_INTERPRET unset", file=sys.stderr)
@@ -460,14 +460,14 @@ def main(argv=None) -> int:
 
     import triton
 
-    from engine.layers import triton_attention as ta
+    from pagoda.engine.layers import triton_attention as ta
 
     ok, why = ta.is_available(device)
     if not ok:
         print(f"triton kernels unavailable: {why}", file=sys.stderr)
         return 2
     try:
-        from engine.layers import attention as ref
+        from pagoda.engine.layers import attention as ref
     except Exception as e:  # the engine may be mid-change; the kernels can still be measured
         print(f"torch implementation unavailable ({type(e).__name__}: {e}); skipping it", file=sys.stderr)
         ref = None

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
+from pagoda.engine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
 
 
 def workload(args) -> list[list[int]]:

@@ -176,7 +176,7 @@ def free_port() -> int:
 
 def pagoda_command() -> list[str]:
     exe = os.path.join(os.path.dirname(sys.executable), "pagoda")
-    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "client.cli"]
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "pagoda.client.cli"]
 
 
 @contextlib.contextmanager
@@ -256,7 +256,7 @@ def engine_threads(args) -> int | None:
     layer, not a core given to it. None: a server we did not start (its threads are unknown)."""
     if args.threads or not args.spawn_server:
         return args.threads
-    from server.main import serving_cpu_threads
+    from pagoda.server.main import serving_cpu_threads
     return serving_cpu_threads()
 
 

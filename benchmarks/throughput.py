@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-import common  # first: puts the repository on sys.path
+import common
 import torch
 from tqdm import tqdm
 
@@ -39,11 +39,11 @@ def check_lengths(peer: str, outputs: list[list[int]], workload) -> None:
 
 class Pagoda:
     def __init__(self, path, args, runs):
-        from engine import LLM
+        from pagoda.engine import LLM
         self.llm = LLM(path, dtype=args.dtype, device=args.device)
 
     def run(self, workload, bar=None) -> list[list[int]]:
-        from engine import SamplingParams
+        from pagoda.engine import SamplingParams
 
         params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for _, n in workload]
         with ticking(self.llm.engine, bar):

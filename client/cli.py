@@ -15,7 +15,7 @@ import sys
 
 
 def _offline(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pagoda.engine import LLM, SamplingParams
 
     llm = LLM(args.model, dtype=args.dtype)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
@@ -25,14 +25,14 @@ def _offline(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from server.main import run
+    from pagoda.server.main import run
 
     return run(args)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     # server/main.py imports grpc only, not torch/the engine, so this stays cheap.
-    from server.main import add_serve_args
+    from pagoda.server.main import add_serve_args
 
     add_serve_args(p)
 
@@ -68,7 +68,7 @@ def _add_target(p: argparse.ArgumentParser, timeout: float | None = None) -> Non
 
 
 def _client(args: argparse.Namespace):
-    from client.client import Client
+    from pagoda.client.client import Client
 
     return Client(args.target, timeout=args.timeout, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca,
                   tls_cert=args.tls_client_cert, tls_key=args.tls_client_key, tls_server_name=args.tls_server_name)

@@ -1,6 +1,6 @@
 """A small Python client for pagoda.v1.GenerationService, sync (Client) and asyncio (AsyncClient).
 
-    from client.client import Client
+    from pagoda.client.client import Client
     with Client("127.0.0.1:50051") as c:
         print(c.generate("Hello", max_tokens=20, temperature=0).text)
         for piece in c.generate_stream("Hello", max_tokens=20):

@@ -28,8 +28,8 @@ cd /
 "$venv/bin/pagoda" health --help >/dev/null
 "$venv/bin/python" - <<'PY'
 import importlib, sys
-for name in ("pagoda.v1.generation_pb2", "server.app", "server.metrics", "server.auth", "client.client",
-             "engine", "prometheus_client", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection"):
+for name in ("pagoda.v1.generation_pb2", "pagoda.server.app", "pagoda.server.metrics", "pagoda.server.auth", "pagoda.client.client",
+             "pagoda.engine", "prometheus_client", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection"):
     importlib.import_module(name)
 print("pagoda installed in", sys.prefix)
 PY

@@ -1,16 +1,18 @@
-"""pagoda's engine: paged KV cache, continuous batching, sampling."""
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+"""pagoda's engine: paged KV cache, continuous batching, sampling. Names load on first use, so that
+torch-free parts (sampling_params, validation, errors) import without torch."""
+import importlib
+
+_EXPORTS = {
+    "LLM": "llm", "AsyncEngine": "async_engine", "EngineConfig": "config", "SamplingParams": "sampling_params",
+    "RequestOutput": "outputs", "TokenLogprob": "outputs", "EngineStats": "outputs", "ModelInfo": "outputs",
+    "EngineRequest": "protocol", "RequestLimits": "validation",
+}
 
 
 def __getattr__(name):
-    if name == "AsyncEngine":  # keeps asyncio/threading out of plain offline imports
-        from engine.async_engine import AsyncEngine
-        return AsyncEngine
-    raise AttributeError(name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"pagoda.engine.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'pagoda.engine' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "AsyncEngine", "RequestOutput", "TokenLogprob",
-           "EngineStats", "ModelInfo"]
+__all__ = list(_EXPORTS)

@@ -28,6 +28,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are used on CUDA otherwise)
     max_queue_len: int = 1024  # waiting requests beyond this are refused (QueueFullError)
     cpu_threads: int | None = None  # on CPU, torch's intra-op threads (process-wide); None: torch's default
+    engine_process: bool = False  # AsyncEngine: the engine loop in a child process (else a thread)
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -49,7 +50,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "engine_process"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.seed):

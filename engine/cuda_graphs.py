@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from engine.layers.attention import AttentionMetadata
+from pagoda.engine.layers.attention import AttentionMetadata
 
 log = logging.getLogger("pagoda.engine")
 

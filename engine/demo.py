@@ -21,7 +21,9 @@ def build_byte_tokenizer(vocab_size: int | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {char: byte for byte, char in enumerate(_byte_chars())}
+    from pagoda.engine.detokenizer import byte_level_alphabet
+
+    vocab = {char: byte for byte, char in enumerate(byte_level_alphabet())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -33,29 +35,16 @@ def build_byte_tokenizer(vocab_size: int | None = None):
                                    pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte-level alphabet in byte order: printable bytes stand for themselves, the
-    others for the characters from 256 on."""
-    printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
 def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printable_output: bool = False,
-                          **overrides) -> str:
+                          tokenizer=None, **overrides) -> str:
     """Write a small random checkpoint with transformers' own model class, in safetensors.
     printable_output zeroes the output rows of every token but printable ASCII bytes and scales
     those up, so the random model babbles in readable characters (needs untied embeddings)."""
     import torch
     import transformers as tf
 
-    tokenizer = build_byte_tokenizer(overrides.pop("vocab_size", None))
+    if tokenizer is None:
+        tokenizer = build_byte_tokenizer(overrides.pop("vocab_size", None))
     vocab = len(tokenizer)
     common = dict(vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id)

@@ -5,12 +5,20 @@ class InvalidRequestError(ValueError):
     """A request the engine cannot serve; `field` names the offending input."""
 
     def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
+        super().__init__(f"{field} {message}")
         self.field = field
         self.message = message
 
     def __reduce__(self):  # picklable (it crosses from the engine process)
         return type(self), (self.field, self.message)
+
+    def renamed(self, field: str) -> "InvalidRequestError":
+        """The same error under a protocol's name for the field."""
+        return type(self)(field, self.message)
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id that is already in flight."""
 
 
 class QueueFullError(RuntimeError):

@@ -1,10 +1,11 @@
 """The offline API, in the habit of vLLM users: LLM(model).generate(prompts, params)."""
-from engine.config import EngineConfig
-from engine.errors import EngineError
-from engine.llm_engine import LLMEngine, full_output
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.errors import EngineError
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.output_processor import full_output
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.validation import ModelLimits, make_request
 
 
 class LLM:
@@ -15,21 +16,28 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **options))
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
+        info = self.engine.model_info()
+        self._model = ModelLimits(info.vocab_size, info.max_model_len)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
+        """Completions of each prompt (text or token ids), in order; a bad prompt or option raises
+        InvalidRequestError (a ValueError) naming it before anything runs."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        groups = [self.engine.make_sequences(p, sp) for p, sp in zip(prompts, params)]  # validate all first
-        for seqs in groups:
-            self.engine.add_sequences(seqs)
+        requests = [make_request(p, sp, model=self._model, tokenizer=self.tokenizer, request_id=str(i), stream=False)
+                    for i, (p, sp) in enumerate(zip(prompts, params))]  # all checked before any runs
+        for req in requests:
+            self.engine.add_request(req)
+        finished: dict[str, list[RequestOutput]] = {req.request_id: [] for req in requests}
         while self.engine.has_work():
-            self.engine.step()
-        failed = [s for seqs in groups for s in seqs if s.finish_reason is FinishReason.ERROR]
+            for out in self.engine.step():
+                finished[out.request_id].append(out)
+        failed = [o for outs in finished.values() for o in outs if o.finish_reason == "error"]
         if failed:
             raise EngineError(f"{len(failed)} request(s) failed: {failed[0].error}")
-        return [full_output(seqs) for seqs in groups]
+        return [full_output(req.prompt_token_ids, finished[req.request_id]) for req in requests]

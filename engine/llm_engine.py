@@ -2,21 +2,20 @@
 import dataclasses
 import logging
 import time
-import uuid
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
-from engine.loader import load_hf_config, load_tokenizer, load_weights, resolve_model_path
-from engine.model_runner import ModelRunner
-from engine.models import architecture_of, build_model
-from engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
+from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
+from pagoda.engine.loader import load_hf_config, load_tokenizer, load_weights, resolve_model_path
+from pagoda.engine.model_runner import ModelRunner
+from pagoda.engine.models import architecture_of, build_model
+from pagoda.engine.output_processor import step_outputs
+from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
+from pagoda.engine.protocol import EngineRequest
+from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.sequence import FinishReason, Sequence
 
 log = logging.getLogger("pagoda.engine")
 
@@ -25,7 +24,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from engine.demo import demo_model_path
+        from pagoda.engine.demo import demo_model_path
         path = resolve_model_path(config.model) if config.model else demo_model_path()
         self.hf_config = load_hf_config(path)
         self.architecture = architecture_of(self.hf_config)
@@ -53,6 +52,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.config.max_model_len)
         self.eos_token_ids = _eos_ids(path, self.hf_config, self.tokenizer)
+        self.vocab = TokenVocab(self.tokenizer, self.hf_config.vocab_size)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, while in flight
         self.num_prompt_tokens_processed = 0
         self.num_generated_tokens = 0
@@ -97,79 +97,48 @@ class LLMEngine:
 
     # ---- requests ----
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> list[Sequence]:
-        seqs = self.make_sequences(prompt, params, request_id, priority)
-        self.add_sequences(seqs)
-        return seqs
-
-    def make_sequences(self, prompt, params=None, request_id=None, priority=0) -> list[Sequence]:
-        """Validate and tokenize a request into its n sequences; raises InvalidRequestError naming the field."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params", f"expected SamplingParams, got {type(params).__name__}")
-        request_id = request_id or uuid.uuid4().hex
-        text, ids = self._tokenize(prompt)
-        max_len, vocab = self.config.max_model_len, self.hf_config.vocab_size
-        if len(ids) >= max_len:
-            raise InvalidRequestError("prompt", f"has {len(ids)} tokens; max_model_len is {max_len} "
-                                                f"(room for at least one new token is needed)")
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
-        if len(ids) + max_tokens > max_len:
-            raise InvalidRequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) "
-                                                    f"exceeds max_model_len ({max_len})")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise InvalidRequestError("stop_token_ids", f"{bad[0]} is outside the vocabulary (size {vocab})")
+    def add_request(self, req: EngineRequest) -> None:
+        """Take in a checked request (engine/validation.py make_request) as its n sequences."""
+        params, n = req.params, req.params.n
         seqs = []
-        for i in range(params.n):
-            req_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            seq = Sequence(req_id, ids, params, max_tokens, prompt=text, priority=priority,
-                           eos_token_ids=self.eos_token_ids, request_id=request_id, index=i)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        for i in range(n):
+            seq = Sequence(req.request_id if n == 1 else f"{req.request_id}#{i}", req.prompt_token_ids, params,
+                           params.max_tokens, priority=req.priority, eos_token_ids=self.eos_token_ids,
+                           request_id=req.request_id, index=i, stream=req.stream)
+            seq.arrival_time = req.arrival_time
+            seq.detokenizer = IncrementalDetokenizer(self.vocab, req.prompt_token_ids)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(params.seed + i)
             seqs.append(seq)
-        return seqs
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "is empty")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt) if prompt is not None else []
-        if not ids:
-            raise InvalidRequestError("prompt", "is empty")
-        vocab = self.hf_config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequestError("prompt_token_ids", f"{t!r} is not a token id in [0, {vocab})")
-        return None, ids
-
-    def add_sequences(self, seqs: list[Sequence]) -> None:
-        request_id = seqs[0].request_id
-        if request_id in self.requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        self.requests[request_id] = seqs
+        self.requests[req.request_id] = seqs
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of the request; returns those that were still in flight."""
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish every sequence of the request still in flight; their last outputs."""
         seqs = [s for s in self.requests.pop(request_id, []) if not s.is_finished]
         for seq in seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
-        return seqs
+        return step_outputs(seqs)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request in flight with an error (after a step crashed outside the model run)."""
+        seqs = [s for group in self.requests.values() for s in group if not s.is_finished]
+        for seq in seqs:
+            self.scheduler.finish(seq, FinishReason.ERROR)
+            seq.error = error
+        self.requests.clear()
+        return step_outputs(seqs)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- the step ----
 
-    def step(self, on_scheduled=None) -> list[Sequence]:
-        """One engine step; returns the sequences that got a token or finished. on_scheduled() is
-        called once the step's sequences are chosen, before the model runs."""
+    def step(self, on_scheduled=None) -> list[RequestOutput]:
+        """One engine step; returns the outputs of the sequences that got a token or finished.
+        on_scheduled() is called once the step's sequences are chosen, before the model runs."""
         sched = self.scheduler.schedule()
         if on_scheduled is not None:
             on_scheduled()
@@ -183,7 +152,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, FinishReason.ERROR)
                 seq.error = f"{type(e).__name__}: {e}"
             self._forget(sched.seqs)
-            return list(sched.seqs)
+            return step_outputs(sched.seqs)
         self.num_prompt_tokens_processed += sum(
             n for s, n in zip(sched.seqs, sched.num_new_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
         updated = self.scheduler.postprocess(sched, tokens)
@@ -193,12 +162,10 @@ class LLMEngine:
                 if lp is not None:
                     seq.logprobs.append(TokenLogprob(seq.token_ids[-1], lp[0], lp[1]))
         self._forget([s for s in updated if s.is_finished])
-        return updated
+        return step_outputs(updated)
 
     def _forget(self, seqs) -> None:
         for seq in seqs:
-            if seq.finish_reason is not FinishReason.STOP_STRING:
-                seq.detokenizer.flush()  # text held back for an incomplete character
             group = self.requests.get(seq.request_id)
             if group is not None and all(s.is_finished for s in group):
                 del self.requests[seq.request_id]
@@ -218,24 +185,6 @@ class LLMEngine:
         return ModelInfo(c.model, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
                          c.max_num_batched_tokens, c.max_queue_len)
-
-
-def full_output(seqs: list[Sequence]) -> RequestOutput:
-    """A finished request: choice 0's fields at the top, every choice in .choices."""
-    choices = [_choice_output(s) for s in seqs]
-    prompt = seqs[0].token_ids[:seqs[0].num_prompt_tokens]
-    return dataclasses.replace(choices[0], choices=choices, prompt_token_ids=prompt)
-
-
-def _choice_output(seq: Sequence) -> RequestOutput:
-    reason = seq.finish_reason
-    return RequestOutput(
-        request_id=seq.request_id, index=seq.index, token_ids=seq.generated_token_ids, text=seq.detokenizer.text,
-        finished=seq.is_finished, finish_reason=reason.public if reason else None,
-        stop_reason=reason.value if reason else None, num_prompt_tokens=seq.num_prompt_tokens,
-        num_generated_tokens=seq.num_generated_tokens, num_cached_tokens=seq.num_cached_tokens,
-        metrics=seq.metrics(),
-        logprobs=list(seq.logprobs) if seq.params.logprobs else None, error=seq.error)
 
 
 def _device(name: str) -> torch.device:
@@ -289,9 +238,9 @@ def _attention_backend(name: str, device: torch.device):
         name = "triton" if device.type == "cuda" else "cpu"
     try:
         if name == "triton":
-            from engine.layers import triton_attention as backend
+            from pagoda.engine.layers import triton_attention as backend
         else:
-            from engine.layers import cpu_attention as backend
+            from pagoda.engine.layers import cpu_attention as backend
     except ImportError as e:
         ok, why = False, str(e)
     else:

@@ -4,11 +4,11 @@ import itertools
 import numpy as np
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, capture_checked
-from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
-from engine.scheduler import SchedulerOutput
-from engine.sequence import Sequence
+from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
+from pagoda.engine.layers.attention import Attention, AttentionMetadata
+from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
+from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.engine.sequence import Sequence
 
 
 class ModelRunner:

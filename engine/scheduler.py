@@ -4,8 +4,8 @@ import functools
 import time
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

@@ -3,8 +3,8 @@ import itertools
 import time
 from enum import Enum
 
-from engine.outputs import RequestMetrics
-from engine.sampling_params import SamplingParams
+from pagoda.engine.outputs import RequestMetrics
+from pagoda.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -44,12 +44,11 @@ class BlockTable(list):
 
 class Sequence:
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, prompt: str | None = None, priority: int = 0,
-                 eos_token_ids: frozenset[int] = frozenset(), request_id: str | None = None, index: int = 0):
+                 max_tokens: int, priority: int = 0, eos_token_ids: frozenset[int] = frozenset(),
+                 request_id: str | None = None, index: int = 0, stream: bool = True):
         self.req_id = req_id  # unique per sequence
         self.request_id = request_id or req_id  # the request it answers (n > 1: several sequences)
         self.index = index  # which of the request's n completions
-        self.prompt = prompt
         self.token_ids = list(prompt_token_ids)  # prompt, then generated
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -71,6 +70,9 @@ class Sequence:
         self.logprobs: list = []
         self.detokenizer = None  # set by the engine
         self.generator = None  # torch.Generator when params.seed is set
+        self.stream = stream  # outputs every step, or only when finished (output_processor)
+        self.num_tokens_sent = 0  # generated tokens already in an output
+        self.num_text_sent = 0  # characters of the text already in an output
 
     @property
     def num_tokens(self) -> int:

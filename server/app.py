@@ -14,8 +14,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.options import ServerOptions
-from server.servicer import DRAINING, SERVING, SERVICE_NAME, GenerationServicer, ServerState, add_servicer_to_server
+from pagoda.server.options import ServerOptions
+from pagoda.server.servicer import DRAINING, SERVING, SERVICE_NAME, GenerationServicer, ServerState, add_servicer_to_server
 
 log = logging.getLogger("pagoda.server")
 
@@ -49,8 +49,8 @@ class PagodaServer:
 
     def __init__(self, engine_factory, host: str = "[::]", port: int = DEFAULT_PORT,
                  options: ServerOptions | None = None):
-        from server.auth import ApiKeyInterceptor
-        from server.metrics import Metrics
+        from pagoda.server.auth import ApiKeyInterceptor
+        from pagoda.server.metrics import Metrics
 
         self.engine_factory = engine_factory
         self.address = f"{host}:{port}"

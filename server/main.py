@@ -66,7 +66,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--log-format", "LOG_FORMAT", "text, or json: one JSON object per line (default: text)", default="text",
         choices=["text", "json"])
 
-    from server import options as o  # standard library only
+    from pagoda.server import options as o  # standard library only
 
     g = p.add_argument_group("limits")
 
@@ -124,7 +124,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def server_options(args: argparse.Namespace):
     """The ServerOptions of the parsed flags (0 for the two context-bound limits means the context)."""
-    from server.options import ServerOptions
+    from pagoda.server.options import ServerOptions
 
     return ServerOptions(
         max_prompt_tokens=args.max_prompt_tokens or None,
@@ -184,7 +184,7 @@ def _cpu_quota(root: str) -> tuple[int, int] | None:
 
 
 def engine_config(args: argparse.Namespace):
-    from engine import EngineConfig
+    from pagoda.engine import EngineConfig
 
     return EngineConfig(
         model=args.model or None,
@@ -200,16 +200,13 @@ def engine_config(args: argparse.Namespace):
         enable_prefix_caching=args.prefix_caching == "on",
         enforce_eager=args.enforce_eager == "on",
         cpu_threads=args.cpu_threads or serving_cpu_threads(),
+        engine_process=getattr(args, "engine_process", "on") == "on",
     )
 
 
 def _build_engine(args: argparse.Namespace):
     """Runs in the loading thread: importing torch and the engine is part of loading."""
-    if getattr(args, "engine_process", "on") == "on":
-        from engine.engine_process import ProcessEngine
-
-        return ProcessEngine(engine_config(args))
-    from engine import AsyncEngine
+    from pagoda.engine import AsyncEngine
 
     return AsyncEngine(engine_config(args))
 
@@ -219,7 +216,7 @@ async def serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    from server.app import PagodaServer
+    from pagoda.server.app import PagodaServer
 
     try:
         options = server_options(args)
@@ -245,7 +242,7 @@ async def serve(args: argparse.Namespace) -> int:
 def setup_logging(level: str, fmt: str = "text") -> None:
     handler = logging.StreamHandler()
     if fmt == "json":
-        from server.metrics import JsonFormatter
+        from pagoda.server.metrics import JsonFormatter
 
         handler.setFormatter(JsonFormatter())
     else:

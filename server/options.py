@@ -23,7 +23,7 @@ DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S = 5.0
 
 @dataclass
 class ServerOptions:
-    # request limits (server/convert.py RequestLimits fields; None: the model's context)
+    # request limits (engine/validation.py RequestLimits fields; None: the model's context)
     max_prompt_tokens: int | None = None
     max_tokens_limit: int | None = None
     max_stop_strings: int = 16
@@ -80,7 +80,7 @@ class ServerOptions:
             raise ValueError("api_key must be printable characters without spaces")
 
     def request_limits(self):
-        from server.convert import RequestLimits
+        from pagoda.engine.validation import RequestLimits
 
         return RequestLimits(max_prompt_tokens=self.max_prompt_tokens, max_tokens_limit=self.max_tokens_limit,
                              max_stop_strings=self.max_stop_strings, max_stop_string_len=self.max_stop_string_len,

@@ -18,14 +18,16 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 
 import grpc
 
+from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineError, InvalidRequestError,
+                                  QueueFullError)
+from pagoda.engine.validation import MAX_REQUEST_ID_LEN, new_request_id
+from pagoda.server import convert
+from pagoda.server.options import ServerOptions
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
-from server import convert
-from server.options import ServerOptions
 
 log = logging.getLogger("pagoda.server")
 
@@ -47,7 +49,6 @@ class ServerState:
         self.inflight = 0
         self.idle = asyncio.Event()
         self.idle.set()
-        self.request_ids: set[str] = set()  # generation requests in flight
         self.num_generations = 0  # Generate/GenerateStream calls in flight
         self.options = options or ServerOptions()
         self.limits = self.options.request_limits()
@@ -105,16 +106,13 @@ def add_servicer_to_server(servicer, server) -> None:
 
 
 def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
-    """The one place exceptions become (status code, message). The engine module is imported here,
-    not at module level, so the server can listen before torch is loaded."""
-    from engine.errors import EngineClosedError, EngineError, InvalidRequestError, QueueFullError
-
+    """The one place exceptions become (status code, message)."""
     if isinstance(e, ServerError):
         return e.code, e.message
-    if isinstance(e, convert.RequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, DuplicateRequestError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(e)
     if isinstance(e, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, convert.engine_error_message(e.field, e.message)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, QueueFullError):
         msg = str(e) or "the waiting queue is full"
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{msg.removesuffix('; retry later')}; {RETRY_HINT}"
@@ -136,10 +134,10 @@ def _metadata_request_id(context) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_HEADER:
             if isinstance(value, bytes):
-                raise convert.RequestError("x-request-id metadata", "must be text")
-            if len(value) > convert.MAX_REQUEST_ID_LEN:
-                raise convert.RequestError("x-request-id metadata", f"must be at most {convert.MAX_REQUEST_ID_LEN} "
-                                                                    f"characters, got {len(value)}")
+                raise InvalidRequestError("x-request-id metadata", "must be text")
+            if len(value) > MAX_REQUEST_ID_LEN:
+                raise InvalidRequestError("x-request-id metadata", f"must be at most {MAX_REQUEST_ID_LEN} "
+                                                                   f"characters, got {len(value)}")
             return value
     return ""
 
@@ -170,7 +168,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 why = "loading the model" if state.phase == LOADING else "shutting down"
                 raise ServerError(grpc.StatusCode.UNAVAILABLE, f"server is {why}; retry later")
             if isinstance(request, Undecodable):
-                raise convert.RequestError("request", f"is not a valid {request.message_type} message "
+                raise InvalidRequestError("request", f"is not a valid {request.message_type} message "
                                                       f"({type(request.error).__name__}: {request.error}); strings "
                                                       f"must be UTF-8")
             if generation:
@@ -212,21 +210,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         """Yields (request_id, engine delta) until the request finishes. Leaving early (client cancel,
         deadline, --request-timeout, error) aborts the request in the engine so its KV blocks are freed."""
         state = self.state
-        made_up = uuid.uuid4().hex
-        record.request_id = request.request_id[:convert.MAX_REQUEST_ID_LEN] or made_up  # if the next line fails
-        rid = request.request_id or _metadata_request_id(context) or made_up
-        record.request_id = rid
-        if _header_safe(rid) and len(rid) <= convert.MAX_REQUEST_ID_LEN:
+        rid = request.request_id or _metadata_request_id(context) or new_request_id()
+        record.request_id = rid[:MAX_REQUEST_ID_LEN]
+        if _header_safe(rid) and len(rid) <= MAX_REQUEST_ID_LEN:
             await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
-        convert.check_sizes(request, state.limits)
-        prompt = None
-        if _prompt_chars(request) > LARGE_PROMPT_CHARS:  # tokenizing a long text takes a while
-            prompt = await asyncio.to_thread(convert.prompt_tokens, request, engine, state.limits)
-        req = convert.to_engine_request(request, engine, state.limits, request_id=rid, prompt=prompt)
-        if req.request_id in state.request_ids:
-            raise ServerError(grpc.StatusCode.ALREADY_EXISTS,
-                              f"request_id {req.request_id!r} is already used by a request in flight")
-        state.request_ids.add(req.request_id)
+        if _prompt_chars(request) > LARGE_PROMPT_CHARS:  # rendering and tokenizing a long text takes a while
+            req = await asyncio.to_thread(convert.to_engine_request, request, engine, state.limits, rid)
+        else:
+            req = convert.to_engine_request(request, engine, state.limits, rid)
         unfinished = req.params.n
         timeout = state.options.request_timeout
         timed_out = ServerError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -245,7 +236,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         loop = asyncio.get_running_loop()
         timer = loop.call_at(loop.time() + max(0.0, record.t0 + timeout - time.monotonic()), expire) \
             if timeout > 0 else None
-        outputs = engine.generate(req.prompt, req.params, request_id=req.request_id, priority=req.priority)
+        outputs = engine.generate(req)
         record.submitted()
         try:
             it = outputs.__aiter__()
@@ -266,25 +257,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     raise timed_out from None
                 finally:
                     waiting[0] = False
-                if out.finish_reason == "error":
-                    from engine.errors import EngineError
-
-                    raise EngineError(getattr(out, "error", None) or "the engine step running this request failed")
                 unfinished -= out.finished
                 record.output(out)
                 yield req.request_id, out
         finally:
             if timer is not None:
                 timer.cancel()
-            state.request_ids.discard(req.request_id)
-            if unfinished:
-                engine.abort(req.request_id)
-            aclose = getattr(outputs, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await outputs.aclose()  # aborts the request if it has not finished
 
     def _record(self, method: str, context):
-        from server.metrics import RequestRecord
+        from pagoda.server.metrics import RequestRecord
 
         return RequestRecord(method, peer=context.peer() or "")
 
@@ -322,7 +304,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Tokenize(self, request, context):
         async with self._call(context, "Tokenize", request) as engine:
             if not request.text:
-                raise convert.RequestError("text", "must not be empty")
+                raise InvalidRequestError("text", "must not be empty")
             if len(request.text) > LARGE_PROMPT_CHARS:
                 ids = await asyncio.to_thread(engine.encode, request.text)
             else:

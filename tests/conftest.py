@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from engine.demo import build_tiny_checkpoint  # noqa: E402
+from pagoda.engine.demo import build_tiny_checkpoint  # noqa: E402
 
 # Tiny checkpoints of every supported family; peaky random weights (a wide init) keep greedy
 # choices far from ties, so float32 rounding differences cannot flip them.

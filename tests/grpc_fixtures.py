@@ -39,14 +39,14 @@ def tiny_checkpoint(arch: str = "llama", initializer_range: float = 0.3) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _tiny_checkpoint(arch: str, initializer_range: float) -> str:
-    from engine.demo import build_tiny_checkpoint
+    from pagoda.engine.demo import build_tiny_checkpoint
 
     path = os.path.join(_tmpdir(f"pagoda-{arch}-"), arch)
     return build_tiny_checkpoint(path, arch=arch, initializer_range=initializer_range)
 
 
 def engine_config(model: str, **kw):
-    from engine import EngineConfig
+    from pagoda.engine import EngineConfig
 
     kw = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128, **kw}
     return EngineConfig(model=model, **kw)
@@ -67,7 +67,7 @@ class InProcessServer:
     127.0.0.1 (any free port). `engine_factory` builds the (unstarted) AsyncEngine."""
 
     def __init__(self, engine_factory):
-        from server.app import PagodaServer
+        from pagoda.server.app import PagodaServer
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-server", daemon=True)
@@ -82,7 +82,7 @@ class InProcessServer:
 
     @classmethod
     def for_config(cls, config) -> "InProcessServer":
-        from engine import AsyncEngine
+        from pagoda.engine import AsyncEngine
 
         return cls(lambda: AsyncEngine(config))
 
@@ -115,7 +115,7 @@ class InProcessServer:
 def patched_run(engine, wrap):
     """The in-process engine's model runs go through wrap(run), run being the real one, until the
     block exits. Returns the runner, for a wrapper that restores run itself after one call."""
-    runner = engine.engine.runner
+    runner = engine.core.runner
     run = runner.run
     runner.run = wrap(run)
     try:
@@ -157,7 +157,7 @@ def failing_step(engine, times: int = 1):
 def pagoda_command() -> list[str]:
     """`pagoda` the way a user runs it: the console script next to this Python, else python -m."""
     script = Path(sys.executable).with_name("pagoda")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "client.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pagoda.client.cli"]
 
 
 class ServeProcess:
@@ -187,7 +187,7 @@ class ServeProcess:
         self._port_seen.set()
 
     def wait_ready(self, timeout: float = 120) -> "ServeProcess":
-        from client.client import Client
+        from pagoda.client.client import Client
 
         with Client(self.target) as c:
             try:

@@ -21,7 +21,7 @@ class OptionsServer(InProcessServer):
     def __init__(self, engine_factory, options=None):
         import threading
 
-        from server.app import PagodaServer
+        from pagoda.server.app import PagodaServer
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-server", daemon=True)
@@ -36,7 +36,7 @@ class OptionsServer(InProcessServer):
 
     @classmethod
     def start(cls, options=None, model: str | None = None, **engine_kw) -> "OptionsServer":
-        from engine import AsyncEngine
+        from pagoda.engine import AsyncEngine
 
         config = engine_config(model or tiny_checkpoint(), **engine_kw)
         return cls(lambda: AsyncEngine(config), options).wait_ready()

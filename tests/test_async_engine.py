@@ -1,19 +1,36 @@
-"""The asyncio front: streams add up to the offline result, cancel frees blocks, a failing
-step fails only its requests, a full queue is refused."""
+"""The asyncio front over both transports (the engine loop in a thread, and in a child process as
+`pagoda serve` runs it): every test here runs against each, so the two cannot differ. Streams add
+up to the offline result, refusals name the field, cancel frees blocks, a full queue is refused."""
 import asyncio
+import os
+import signal
 
 import pytest
 
-from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from engine.errors import EngineError, InvalidRequestError, QueueFullError
+from pagoda.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineError, InvalidRequestError,
+                                  QueueFullError)
+
+TRANSPORTS = ["thread", "process"]
+
+
+def start(checkpoint, transport: str, **options) -> AsyncEngine:
+    eng = AsyncEngine(EngineConfig(model=checkpoint("llama"), num_kv_blocks=64, engine_process=transport == "process",
+                                   **options))
+    eng.start()
+    return eng
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def engine(checkpoint, request):
+    eng = start(checkpoint, request.param, max_queue_len=8)
+    yield eng
+    eng.shutdown()
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint):
-    eng = AsyncEngine(EngineConfig(model=checkpoint("llama"), num_kv_blocks=64, max_queue_len=8))
-    eng.start()
-    yield eng
-    eng.shutdown()
+def offline(checkpoint):
+    return LLM(checkpoint("llama"), num_kv_blocks=64)
 
 
 async def _collect(eng, prompt, params, **kw):
@@ -21,10 +38,10 @@ async def _collect(eng, prompt, params, **kw):
     return outs
 
 
-def test_stream_equals_offline(engine, checkpoint):
+def test_stream_equals_offline(engine, offline):
     params = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True, logprobs=True)
     outs = asyncio.run(_collect(engine, "héllo wörld", params))
-    offline = LLM(checkpoint("llama"), num_kv_blocks=64).generate(["héllo wörld"], params)[0]
+    offline = offline.generate(["héllo wörld"], params)[0]
     assert sum((o.token_ids for o in outs), []) == offline.token_ids
     assert "".join(o.text for o in outs) == offline.text
     assert sum(len(o.logprobs) for o in outs) == 20
@@ -32,7 +49,7 @@ def test_stream_equals_offline(engine, checkpoint):
     assert outs[-1].num_generated_tokens == 20
 
 
-def test_a_consumer_that_falls_behind_gets_merged_deltas(engine, checkpoint):
+def test_a_consumer_that_falls_behind_gets_merged_deltas(engine, offline):
     """Deltas that piled up while the consumer was busy come as one: same tokens, text and
     logprobs in fewer messages (the per-message cost of a slow stream does not stall the rest)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=2)
@@ -44,7 +61,7 @@ def test_a_consumer_that_falls_behind_gets_merged_deltas(engine, checkpoint):
             await asyncio.sleep(0.05)  # several engine steps pass per message
         return outs
     outs = asyncio.run(slow())
-    offline = LLM(checkpoint("llama"), num_kv_blocks=64).generate(["héllo wörld"], params)[0]
+    offline = offline.generate(["héllo wörld"], params)[0]
     assert 1 < len(outs) < 40
     assert sum((o.token_ids for o in outs), []) == offline.token_ids
     assert "".join(o.text for o in outs) == offline.text
@@ -101,15 +118,11 @@ def test_invalid_request_and_queue_full(engine):
     assert any(isinstance(r, QueueFullError) for r in results)
 
 
-@pytest.mark.parametrize("front", ["thread", "process"])
-def test_the_queue_limit_counts_waiting_requests(checkpoint, front):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_queue_limit_counts_waiting_requests(checkpoint, transport):
     """max_num_seqs 1, max_queue_len 2: with one request running, two more wait and a fourth is
-    refused, by both fronts (the process front counts the child's waiting list)."""
-    from engine.engine_process import ProcessEngine
-
-    cls = AsyncEngine if front == "thread" else ProcessEngine
-    eng = cls(EngineConfig(model=checkpoint("llama"), num_kv_blocks=64, max_num_seqs=1, max_queue_len=2))
-    eng.start()
+    refused (the front counts the core's waiting list as the core reports it)."""
+    eng = start(checkpoint, transport, max_num_seqs=1, max_queue_len=2)
 
     async def main():
         running = eng.generate([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
@@ -136,8 +149,11 @@ def test_the_queue_limit_counts_waiting_requests(checkpoint, front):
         assert sum(len(o.token_ids) for o in outs) == 2 and outs[-1].finished
 
 
-def test_failing_step_fails_only_its_requests(engine):
-    runner = engine.engine.runner
+def test_failing_step_fails_only_its_requests(checkpoint):
+    # in-thread, where the test can reach the model run (the loop and the outputs are the same code
+    # in the child process)
+    engine = start(checkpoint, "thread")
+    runner = engine.core.runner
     original = runner.run
     calls = {"n": 0}
 
@@ -155,6 +171,7 @@ def test_failing_step_fails_only_its_requests(engine):
     outs = asyncio.run(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
     assert outs[-1].num_generated_tokens == 4
     s = engine.stats()
+    engine.shutdown()
     assert s.num_free_blocks == s.num_total_blocks
 
 
@@ -171,3 +188,93 @@ def test_outputs_carry_engine_timings(engine):
     outs = asyncio.run(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
     m = outs[-1].metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
+
+
+def test_n_choices_equal_offline(engine, offline):
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True, logprobs=True, n=2)
+    outs = asyncio.run(_collect(engine, "héllo wörld", params))
+    want = offline.generate(["héllo wörld"], params)[0]
+    for i, choice in enumerate(want.choices):
+        mine = [o for o in outs if o.index == i]
+        assert sum((o.token_ids for o in mine), []) == choice.token_ids
+        assert "".join(o.text for o in mine) == choice.text
+        assert mine[-1].finished and mine[-1].finish_reason == "length"
+
+
+def test_stop_strings_are_held_back_and_cut_as_offline(engine, offline):
+    """Text that may begin a stop string is not sent until it cannot; the stream's text, tokens and
+    counts equal the offline result, which stops at the step that produced the stop string."""
+    greedy = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
+    text = offline.generate(["héllo wörld"], SamplingParams(**greedy))[0].text
+    # a stop string across two tokens' text: its first character must be held back, not sent
+    bounds = [len(offline.generate(["héllo wörld"], SamplingParams(**greedy | {"max_tokens": m}))[0].text)
+              for m in range(4, 12)]
+    stop = next(text[b - 1:b + 1] for b in bounds if 0 < b < len(text) and text.index(text[b - 1:b + 1]) == b - 1)
+    reasons = []
+    for params in (SamplingParams(**greedy, stop=[stop]), SamplingParams(**greedy, stop=["never-there"]),
+                   SamplingParams(**greedy)):
+        want = offline.generate(["héllo wörld"], params)[0]
+        outs = asyncio.run(_collect(engine, "héllo wörld", params))
+        got = "".join(o.text for o in outs)
+        assert got == want.text and outs[-1].stop_reason == want.stop_reason
+        reasons.append(want.stop_reason)
+        assert sum((o.token_ids for o in outs), []) == want.token_ids
+        assert (outs[-1].num_prompt_tokens, outs[-1].num_generated_tokens) == (want.num_prompt_tokens,
+                                                                             want.num_generated_tokens)
+        for i in range(1, len(outs)):  # no output gave away text the stop string later cut
+            sent = "".join(o.text for o in outs[:i])
+            assert got.startswith(sent)
+    assert reasons == ["stop_string", "length", "length"]
+    assert len(want.token_ids) == 16 and len(offline.generate(["héllo wörld"], SamplingParams(
+        **greedy, stop=[stop]))[0].token_ids) < 16
+
+
+def test_refusals_name_the_field_on_first_iteration(engine):
+    with pytest.raises(InvalidRequestError) as e:
+        asyncio.run(_collect(engine, [1, 2, 99999], SamplingParams(max_tokens=4)))
+    assert e.value.field == "prompt_token_ids[2]"
+    with pytest.raises(InvalidRequestError, match="^max_tokens"):
+        asyncio.run(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=10**6)))
+    with pytest.raises(InvalidRequestError, match="^sampling_params"):
+        asyncio.run(_collect(engine, [1, 2, 3], {"max_tokens": 3}))
+    gen = engine.generate("", SamplingParams())  # nothing happens until it is iterated
+    with pytest.raises(InvalidRequestError, match="^prompt must not be empty"):
+        asyncio.run(gen.__anext__())
+    assert asyncio.run(_collect(engine, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))[-1].finished
+
+
+def test_a_request_id_in_flight_is_refused(engine):
+    async def main():
+        first = engine.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), request_id="same")
+        await first.__anext__()
+        with pytest.raises(DuplicateRequestError, match="'same' is already used"):
+            await _collect(engine, [1, 2], SamplingParams(max_tokens=2), request_id="same")
+        await first.aclose()
+        await asyncio.sleep(0.05)
+        return await _collect(engine, [1, 2], SamplingParams(max_tokens=2, ignore_eos=True), request_id="same")
+    assert asyncio.run(main())[-1].finished
+
+
+def test_a_dead_engine_process_fails_its_requests(checkpoint):
+    eng = start(checkpoint, "process")
+
+    async def main():
+        gen = eng.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
+        await gen.__anext__()
+        os.kill(eng._transport.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="engine process exited"):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineClosedError):
+            await _collect(eng, [1, 2], SamplingParams(max_tokens=2))
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_model_that_cannot_load_raises_its_own_error(tmp_path, transport):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match="architecture 'llama' is not supported"):
+        AsyncEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=8, engine_process=transport == "process"))

@@ -1,10 +1,10 @@
 """BlockManager and Scheduler over integers: exact block ids, ref counts, preemption order."""
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 def seq(name, n_prompt, max_tokens=8, priority=0):

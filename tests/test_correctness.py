@@ -6,7 +6,7 @@ import torch
 import transformers
 
 from conftest import FAMILIES
-from engine import LLM, SamplingParams
+from pagoda.engine import LLM, SamplingParams
 
 MAX_NEW = 12
 # 1 token, around the block size (16), several blocks
@@ -57,7 +57,7 @@ def _uses_cpu_ops(llm) -> bool:
     modules = list(llm.engine.model.modules())
     backends = {m.backend for m in modules if type(m).__name__ == "Attention"}
     fused = [m.fused_ops is not None for m in modules if hasattr(type(m), "fused_ops")]
-    attention = [getattr(b, "__name__", "") for b in backends] == ["engine.layers.cpu_attention"]
+    attention = [getattr(b, "__name__", "") for b in backends] == ["pagoda.engine.layers.cpu_attention"]
     # the fused layers come with it (float32; gpt2 has none)
     assert not fused or (all(fused) == attention and any(fused) == attention)
     return attention
@@ -81,7 +81,7 @@ def test_greedy_matches_with_preemption_and_chunked_prefill(checkpoint, family, 
 
 
 def test_sharded_checkpoint_loads(tmp_path):
-    from engine.demo import build_tiny_checkpoint
+    from pagoda.engine.demo import build_tiny_checkpoint
     path = build_tiny_checkpoint(str(tmp_path), "llama", initializer_range=0.3)
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     sharded = tmp_path / "sharded"
@@ -122,7 +122,7 @@ def test_greedy_matches_with_many_sequences_of_mixed_lengths(checkpoint, backend
 def test_padded_decode_path_of_cuda_graphs(checkpoint):
     """The decode-graph path (persistent buffers, batches padded to a bucket) run eagerly on CPU:
     same tokens as transformers. On CUDA the same path is captured and replayed."""
-    from engine.cuda_graphs import DecodeGraphs
+    from pagoda.engine.cuda_graphs import DecodeGraphs
 
     path = checkpoint("qwen3")
     llm = LLM(path, num_kv_blocks=64, max_model_len=256)

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from engine.layers import attention as ref
-from engine.layers import cpu_attention, cpu_ops
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
-from engine.models.llama import RMSNorm
+from pagoda.engine.layers import attention as ref
+from pagoda.engine.layers import cpu_attention, cpu_ops
+from pagoda.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.engine.models.llama import RMSNorm
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
@@ -190,7 +190,7 @@ def test_bfloat16_engine_with_cpu_ops_agrees_with_torch(checkpoint, family):
     """bf16 weights: the C++ attention (the fused layers are bound for float32 only, where they
     are faster than torch's) and plain torch pick the same greedy tokens, but for the rare
     near-tie that bf16 rounding flips."""
-    from engine import LLM, SamplingParams
+    from pagoda.engine import LLM, SamplingParams
 
     rng = random.Random(1)
     prompts = [[rng.randrange(200) for _ in range(n)] for n in (1, 15, 17, 40, 70)]

@@ -109,7 +109,7 @@ def test_response_field_names_and_finish_reasons():
 
 def test_cli_and_server_import_without_torch():
     """`pagoda --help` stays fast, and the server listens (health NOT_SERVING) before torch loads."""
-    code = ("import sys, client.cli, server.main, server.app; client.cli.build_parser(); "
+    code = ("import sys, pagoda.client.cli, pagoda.server.main, pagoda.server.app; pagoda.client.cli.build_parser(); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
@@ -117,7 +117,7 @@ def test_cli_and_server_import_without_torch():
 
 
 def test_server_limits_match_the_engine():
-    from engine.sampling_params import MAX_TOP_LOGPROBS
-    from server import convert
+    from pagoda.engine.sampling_params import MAX_TOP_LOGPROBS
+    from pagoda.server import convert
 
     assert convert.MAX_TOP_LOGPROBS == MAX_TOP_LOGPROBS

@@ -4,12 +4,12 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from client.client import build_request
-from engine.errors import EngineClosedError, EngineError, InvalidRequestError, QueueFullError
-from engine.outputs import ModelInfo, RequestOutput, TokenLogprob
+from pagoda.client.client import build_request
+from pagoda.engine.errors import EngineClosedError, EngineError, InvalidRequestError, QueueFullError
+from pagoda.engine.outputs import ModelInfo, RequestOutput, TokenLogprob
 from pagoda.v1 import generation_pb2 as pb
-from server import convert
-from server.servicer import status_for
+from pagoda.server import convert
+from pagoda.server.servicer import status_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from client.client import AsyncClient, Client, collect
+from pagoda.client.client import AsyncClient, Client, collect
 from grpc_fixtures import (TINY_VOCAB, InProcessServer, engine_config, failing_step, slow_steps, tiny_checkpoint,
                            wait_all_blocks_free)
 from pagoda.v1 import generation_pb2 as pb
@@ -298,7 +298,7 @@ def test_loading_queue_full_and_draining():
     config = engine_config(tiny_checkpoint(), num_kv_blocks=64, max_num_seqs=1, max_queue_len=1)
 
     def factory():
-        from engine import AsyncEngine
+        from pagoda.engine import AsyncEngine
 
         gate.wait(60)
         return AsyncEngine(config)

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from client.client import Client, collect
+from pagoda.client.client import Client, collect
 from grpc_fixtures import BUF, NODE_DIR, REPO, ServeProcess, pagoda_command, require_node_modules, tiny_checkpoint
 from pagoda.v1 import generation_pb2 as pb
 

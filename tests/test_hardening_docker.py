@@ -113,7 +113,7 @@ def test_install_script_outside_docker(tmp_path):
     print(f"install.sh took {time.monotonic() - t0:.1f}s")
     py, pagoda = venv / "bin" / "python", venv / "bin" / "pagoda"
     # Installed, not imported from the repository.
-    where = subprocess.run([str(py), "-c", "import server.app, engine, pagoda.v1; print(server.app.__file__); "
+    where = subprocess.run([str(py), "-c", "import pagoda.server.app, pagoda.engine, pagoda.v1; print(pagoda.server.app.__file__); "
                             "print(pagoda.v1.__file__)"], capture_output=True, text=True, cwd="/", timeout=120,
                            env={k: v for k, v in env.items() if k != "PYTHONPATH"})
     assert where.returncode == 0, where.stderr

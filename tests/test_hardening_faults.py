@@ -13,10 +13,10 @@ import time
 import grpc
 import pytest
 
-from client.client import AsyncClient, Client, collect
+from pagoda.client.client import AsyncClient, Client, collect
 from grpc_fixtures import ServeProcess, patched_run, slow_steps, tiny_checkpoint
 from hardening_fixtures import OptionsServer, running, server_idle, wait_all_blocks_free
-from server.options import ServerOptions
+from pagoda.server.options import ServerOptions
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -139,7 +139,7 @@ def test_request_timeout_aborts_and_frees_blocks():
             assert e.value.code() == C.DEADLINE_EXCEEDED
         # A wedged engine (its step never returns) still gets an answer at the time limit.
         release = threading.Event()
-        runner = srv.engine.engine.runner
+        runner = srv.engine.core.runner
         run = runner.run
         runner.run = lambda *a, **kw: (release.wait(30), run(*a, **kw))[1]
         try:

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.client import Client
+from pagoda.client.client import Client
 from hardening_fixtures import running, server_idle, wait_all_blocks_free
 from pagoda.v1 import generation_pb2 as pb
-from server.options import ServerOptions
+from pagoda.server.options import ServerOptions
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -316,7 +316,7 @@ def test_server_survives_the_fuzz(srv, client):
 
 def test_cli_json_keeps_unknown_enum_values():
     """A newer server may send a FinishReason this client does not know: printed as its number."""
-    from client.cli import _as_dict
+    from pagoda.client.cli import _as_dict
 
     msg = pb.GenerateStreamResponse(request_id="r", text="a", finish_reason=99)
     assert _as_dict(msg)["finish_reason"] == 99

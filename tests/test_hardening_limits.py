@@ -15,10 +15,10 @@ import time
 import grpc
 import pytest
 
-from client.client import Client
+from pagoda.client.client import Client
 from grpc_fixtures import REPO, patched_run
 from hardening_fixtures import running, server_idle, wait_all_blocks_free
-from server.options import ServerOptions
+from pagoda.server.options import ServerOptions
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,8 +55,8 @@ def invalid(fn, *a, **kw) -> str:
 # ---- flags and environment -> ServerOptions ----
 
 def parse_serve(argv, env=None, monkeypatch=None):
-    from client.cli import build_parser
-    from server.main import server_options
+    from pagoda.client.cli import build_parser
+    from pagoda.server.main import server_options
 
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
@@ -148,7 +148,7 @@ def fill(srv, client) -> list:
     """With the engine held: one stream running and two waiting, the server's three calls in flight.
     The first is seen running before the others are sent: a request that arrives while the first
     is still waiting for its step would (rightly) find the two-request queue full."""
-    scheduler = srv.engine.engine.scheduler
+    scheduler = srv.engine.core.scheduler
     streams = [client.generate_stream("Hello", max_tokens=2)]
     wait_until(lambda: len(scheduler.running) == 1, "the first request to run")
     streams += [client.generate_stream("Hello", max_tokens=2) for _ in range(2)]
@@ -290,7 +290,7 @@ def test_keepalive_tolerates_a_long_prefill(min_ping_interval, ok):
 
 CLIENT_SCRIPT = r"""
 import sys
-from client.client import Client
+from pagoda.client.client import Client
 with Client(sys.argv[1], timeout=120) as c:
     for msg in c.generate_stream("Hello", max_tokens=400, ignore_eos=True):
         print("got", flush=True)

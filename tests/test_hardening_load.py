@@ -16,10 +16,10 @@ import time
 import grpc
 import pytest
 
-from client.client import AsyncClient, Client, build_request
+from pagoda.client.client import AsyncClient, Client, build_request
 from grpc_fixtures import patched_run
 from hardening_fixtures import rss_bytes, running, server_idle, wait_all_blocks_free
-from server.options import ServerOptions
+from pagoda.server.options import ServerOptions
 
 pytestmark = pytest.mark.timeout(300)
 

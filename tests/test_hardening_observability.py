@@ -14,11 +14,11 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.client import AsyncClient, Client
+from pagoda.client.client import AsyncClient, Client
 from grpc_fixtures import ServeProcess, slow_steps, tiny_checkpoint
 from hardening_fixtures import running, wait_all_blocks_free
 from pagoda.v1 import generation_pb2 as pb
-from server.options import ServerOptions
+from pagoda.server.options import ServerOptions
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -14,11 +14,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.client import Client
+from pagoda.client.client import Client
 from grpc_fixtures import REPO, ServeProcess, pagoda_command, tiny_checkpoint
 from hardening_fixtures import make_certs, running
 from pagoda.v1 import generation_pb2 as pb
-from server.options import ServerOptions
+from pagoda.server.options import ServerOptions
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -81,7 +81,7 @@ def test_mutual_tls(certs):
 
 
 def test_unreadable_certificate_fails_before_listening(tmp_path):
-    from server.app import PagodaServer
+    from pagoda.server.app import PagodaServer
     import asyncio
 
     async def start():
@@ -154,7 +154,7 @@ def test_unauthenticated_bytes_are_never_parsed(key_srv):
 
 def test_key_comparison_is_constant_time(key_srv, monkeypatch):
     """Every check goes through hmac.compare_digest, on SHA-256 digests (equal lengths whatever was sent)."""
-    import server.auth as auth
+    import pagoda.server.auth as auth
 
     calls = []
     real = auth.hmac.compare_digest
@@ -226,7 +226,7 @@ def _checkpoint_copy(tmp_path, name: str) -> str:
 
 
 def test_pickle_weights_are_never_loaded(tmp_path):
-    from engine import AsyncEngine
+    from pagoda.engine import AsyncEngine
     from grpc_fixtures import engine_config
 
     marker = tmp_path / "unpickled"
@@ -256,7 +256,7 @@ def test_pickle_only_checkpoint_fails_the_server_load(tmp_path):
 
 
 def test_remote_code_is_never_run(tmp_path):
-    from engine import AsyncEngine
+    from pagoda.engine import AsyncEngine
     from grpc_fixtures import engine_config
 
     marker = tmp_path / "remote-code-ran"
@@ -285,7 +285,7 @@ def test_remote_code_is_never_run(tmp_path):
 
 
 def test_hub_downloads_fetch_no_pickle_and_no_code():
-    from engine.loader import _HUB_FILES
+    from pagoda.engine.loader import _HUB_FILES
 
     import fnmatch
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.errors import InvalidRequestError
+from pagoda.engine import LLM, EngineConfig, SamplingParams
+from pagoda.engine.errors import InvalidRequestError
 
 
 @pytest.mark.parametrize("option,value", [("block_size", 0), ("block_size", 12), ("max_num_seqs", 0),
@@ -22,12 +22,12 @@ def test_bad_engine_option_names_it(option, value):
 def test_serve_leaves_a_core_to_the_front_end(monkeypatch):
     # `pagoda serve`'s engine on CPU: --cpu-threads / PAGODA_CPU_THREADS, by default a core less than
     # the process may use (so that gRPC's work does not preempt an OpenMP thread of every operator)
-    import server.main
-    from client.cli import build_parser
-    from server.main import engine_config
+    import pagoda.server.main
+    from pagoda.client.cli import build_parser
+    from pagoda.server.main import engine_config
 
     monkeypatch.delenv("PAGODA_CPU_THREADS", raising=False)
-    monkeypatch.setattr(server.main, "_cpu_quota", lambda root: None)  # whatever this machine's cgroup says
+    monkeypatch.setattr(pagoda.server.main, "_cpu_quota", lambda root: None)  # whatever this machine's cgroup says
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert engine_config(build_parser().parse_args(["serve"])).cpu_threads == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
@@ -38,7 +38,7 @@ def test_serve_leaves_a_core_to_the_front_end(monkeypatch):
 
 
 def test_usable_cores_honours_a_cgroup_quota(tmp_path, monkeypatch):
-    from server.main import usable_cores
+    from pagoda.server.main import usable_cores
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert usable_cores(str(tmp_path)) == 16  # no cgroup files: the affinity mask

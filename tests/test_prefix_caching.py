@@ -2,7 +2,7 @@
 reuse reported, nothing leaked; n > 1 completions share the prompt's blocks."""
 import random
 
-from engine import LLM, SamplingParams
+from pagoda.engine import LLM, SamplingParams
 from test_correctness import _reference
 
 PREFIX = [random.Random(1).randrange(200) for _ in range(40)]  # 2 full blocks of 16, and 8 more

@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine import LLM, SamplingParams
-from engine.layers.sampler import Sampler, SamplingTensors, min_p_mask, top_k_top_p_mask
+from pagoda.engine import LLM, SamplingParams
+from pagoda.engine.layers.sampler import Sampler, SamplingTensors, min_p_mask, top_k_top_p_mask
 
 NEG = float("-inf")
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
-from engine.layers import triton_attention as ta  # noqa: E402
+from pagoda.engine.layers import triton_attention as ta  # noqa: E402
 
 if not torch.cuda.is_available() and not ta.is_available(torch.device("cpu"))[0]:
     ta = importlib.reload(ta)  # imported earlier in this session without the interpreter
@@ -27,7 +27,7 @@ _ok, _why = ta.is_available(DEVICE)
 pytestmark = pytest.mark.skipif(not _ok, reason=_why)
 
 try:
-    from engine.layers import attention as torch_attn
+    from pagoda.engine.layers import attention as torch_attn
 except ImportError:
     torch_attn = None
 
@@ -360,7 +360,7 @@ def test_write_then_prefill_then_decode():
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(torch_attn is None, reason="engine.layers.attention not importable")
+@pytest.mark.skipif(torch_attn is None, reason="pagoda.engine.layers.attention not importable")
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=[CASE_IDS[1], CASE_IDS[2], CASE_IDS[3]])
 def test_against_torch_implementation(case):
     dtype = case[0]
@@ -425,7 +425,7 @@ def test_is_available():
 
 def test_is_available_cpu_without_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import torch; from engine.layers.triton_attention import is_available; "
+    code = ("import torch; from pagoda.engine.layers.triton_attention import is_available; "
             "print(is_available(torch.device('cpu')))")
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,

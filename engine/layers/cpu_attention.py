@@ -5,8 +5,8 @@ every sequence's blocks into a padded copy for SDPA, which on CPU costs more tha
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_ops as fused_ops  # norms, activation and rotary, for the model runner
-from engine.layers.cpu_ops import is_available, ops
+from pagoda.engine.layers import cpu_ops as fused_ops  # norms, activation and rotary, for the model runner
+from pagoda.engine.layers.cpu_ops import is_available, ops
 
 
 def sdpa_min_tokens(head_dim: int) -> int | None:

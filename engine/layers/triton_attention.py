@@ -358,7 +358,7 @@ def is_available(device: torch.device) -> tuple[bool, str]:
         if interpreted:
             return True, "triton interpreter on CPU (TRITON_INTERPRET=1), for tests only: slow"
         return False, ("triton kernels need a CUDA GPU; on CPU set TRITON_INTERPRET=1 in the environment "
-                       "before importing engine.layers.triton_attention to run them in Triton's interpreter")
+                       "before importing pagoda.engine.layers.triton_attention to run them in Triton's interpreter")
     return False, f"triton kernels do not support device type {device.type!r}"
 
 

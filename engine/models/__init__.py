@@ -1,6 +1,6 @@
 """Architectures pagoda runs, keyed by the `architectures` entry of a checkpoint's config.json."""
-from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.llama import LlamaForCausalLM, qwen2, qwen3
+from pagoda.engine.models.gpt2 import GPT2LMHeadModel
+from pagoda.engine.models.llama import LlamaForCausalLM, qwen2, qwen3
 
 MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,

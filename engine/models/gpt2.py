@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from engine.layers.attention import Attention, AttentionMetadata
+from pagoda.engine.layers.attention import Attention, AttentionMetadata
 
 
 class GPT2Attention(nn.Module):

@@ -3,8 +3,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from engine.layers.attention import Attention, AttentionMetadata
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.engine.layers.attention import Attention, AttentionMetadata
+from pagoda.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):

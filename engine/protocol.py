@@ -1,0 +1,73 @@
+"""The records that pass between the front-end (engine/async_engine.py) and the engine core: the
+same objects whether the core runs in a thread or in a child process (pickled there). Commands
+go to the core; reports come back. RequestOutput (engine/outputs.py) is the per-sequence record."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput
+    from pagoda.engine.sampling_params import SamplingParams
+
+
+# ---- commands ----
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A checked request (engine/validation.py make_request): its prompt tokenized, max_tokens resolved."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    stream: bool = True  # False: one output per choice, when it finishes (offline generate)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- reports ----
+
+@dataclass(frozen=True)
+class CoreReady:
+    """The core has loaded the model: what the front-end needs to check and tokenize requests."""
+    config: EngineConfig
+    model_info: ModelInfo
+    stats: EngineStats
+    started: float  # time.monotonic() when the core started
+    tokenizer: Any
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    """Loading the core failed; the front-end raises `error`."""
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Queued:
+    """Sent once a step has scheduled, when the core took in new requests: the waiting list then,
+    and how many sequences it took in (the front-end's queue limit counts both)."""
+    num_waiting: int
+    num_taken: int
+
+
+@dataclass(frozen=True)
+class StepReport:
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class Closed:
+    pass

@@ -1,0 +1,208 @@
+"""The engine core behind a boundary: in a thread of this process, or in a child process.
+
+In one process the server's event loop and the engine loop share a GIL: every streamed message's
+Python runs between the engine's steps and slows them (measured: a thread busy with Python 25% of
+the time made offline generation 19% slower; another process busy 100% cost nothing). The child
+process owns the model and steps it; the parent keeps the tokenizer (requests are tokenized and
+checked before they are sent) and the per-request queues.
+
+Both transports run the same loop (run_core) over the same records (engine/protocol.py): commands
+in, reports out. A report reaches the front-end through `on_report`, called in the core's thread
+(in-thread) or in a receiver thread that reads the child's pipe.
+"""
+import collections
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.errors import EngineError
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.protocol import (Abort, Closed, CoreFailed, CoreReady, EngineRequest, Queued, Shutdown,
+                                    StepReport)
+
+log = logging.getLogger("pagoda.engine")
+
+
+def run_core(core, commands, report) -> None:
+    """The engine loop: take in commands, step, report, until Shutdown. `commands` has a
+    multiprocessing Connection's poll() and recv(); report(record) hands a report out."""
+    while True:
+        if not core.has_work():
+            commands.poll(None)  # idle: sleep until a command comes
+        outputs, num_added = [], 0
+        while commands.poll(0):
+            cmd = commands.recv()
+            if isinstance(cmd, Shutdown):
+                report(Closed())
+                return
+            if isinstance(cmd, EngineRequest):
+                num_added += cmd.params.n
+                outputs += _add(core, cmd)
+            elif isinstance(cmd, Abort):
+                outputs += core.abort(cmd.request_id)
+        reported = False
+
+        def report_queue():
+            # Requests taken in now count in the scheduler's waiting list, and those this step
+            # admitted no longer do: the front-end's queue limit sees that before the model runs.
+            nonlocal reported
+            if num_added and not reported:
+                reported = True
+                report(Queued(len(core.scheduler.waiting), num_added))
+
+        try:
+            outputs += core.step(report_queue) if core.has_work() else []
+        except Exception:  # a bug outside the model run; never let the loop die
+            log.exception("engine step crashed")
+            outputs += core.fail_all("internal engine error")
+        report_queue()
+        report(StepReport(outputs, core.stats()))
+
+
+def _add(core, req: EngineRequest) -> list:
+    try:
+        core.add_request(req)
+    except Exception as e:  # checked before it was sent: a bug, which fails only this request
+        log.exception("taking in request %s failed", req.request_id)
+        return [RequestOutput(req.request_id, [], "", finished=True, finish_reason="error", stop_reason="error",
+                              error=f"{type(e).__name__}: {e}")]
+    return []
+
+
+def ready_report(core) -> CoreReady:
+    return CoreReady(core.config, core.model_info(), core.stats(), core.started, core.tokenizer)
+
+
+class ThreadTransport:
+    """The core in a thread of this process; it calls on_report itself."""
+
+    def __init__(self, config: EngineConfig):
+        from pagoda.engine.llm_engine import LLMEngine
+
+        self.core = LLMEngine(config)
+        self.ready = ready_report(self.core)
+        self._commands = _Inbox()
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_report) -> None:
+        self._thread = threading.Thread(target=run_core, args=(self.core, self._commands, on_report),
+                                        name="pagoda-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, command) -> None:
+        self._commands.send(command)
+
+    def close(self) -> None:
+        self._commands.send(Shutdown())
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+class _Inbox:
+    """Commands to the in-thread core, with the two calls run_core makes of a Connection."""
+
+    def __init__(self):
+        self._items = collections.deque()
+        self._cv = threading.Condition()
+
+    def send(self, item) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify()
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._items, timeout)
+
+    def recv(self):
+        with self._cv:
+            return self._items.popleft()
+
+
+class ProcessTransport:
+    """The core in a child process, over one duplex pipe (records pickled)."""
+
+    def __init__(self, config: EngineConfig):
+        """Starts the child and waits until it has loaded the model (raising what it raised if not)."""
+        ctx = multiprocessing.get_context("spawn")  # fork is unsafe with gRPC's and torch's threads
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(config, child_conn), name="pagoda-engine", daemon=True)
+        self._proc.start()
+        child_conn.close()
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise RuntimeError(f"the engine process exited while loading (exit code {self._proc.exitcode})")
+        if isinstance(msg, CoreFailed):
+            self._proc.join(30)
+            raise msg.error
+        self.ready: CoreReady = msg
+        self._send_lock = threading.Lock()
+        self._closing = False
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def start(self, on_report) -> None:
+        threading.Thread(target=self._receive, args=(on_report,), name="pagoda-engine-receiver", daemon=True).start()
+
+    def send(self, command) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(command)
+            except (OSError, ValueError):  # the child is gone; the receiver reports it
+                pass
+
+    def close(self) -> None:
+        self._closing = True
+        self.send(Shutdown())
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+    def _receive(self, on_report) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._closing:
+                    self._proc.join(5)
+                    log.error("the engine process exited (code %s)", self._proc.exitcode)
+                    on_report(CoreFailed(EngineError(f"the engine process exited (code {self._proc.exitcode})")))
+                return
+            on_report(msg)
+            if isinstance(msg, Closed):
+                return
+
+
+def _child_main(config: EngineConfig, conn) -> None:
+    # Ctrl-C (and a service manager's SIGTERM) reach the whole process group: the parent drains and
+    # then shuts the child down; a parent that dies closes the pipe, which ends the child too
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from pagoda.engine.llm_engine import LLMEngine
+
+    try:
+        core = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(CoreFailed(e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
+        return
+    conn.send(ready_report(core))
+    try:
+        run_core(core, conn, conn.send)
+    except (EOFError, OSError, BrokenPipeError):
+        pass  # the parent is gone
+
+
+def _picklable(e: BaseException) -> bool:
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001
+        return False
+    return True

@@ -1,0 +1,207 @@
+"""The rules a request must meet, in one torch-free module: the sampling ranges (SamplingParams
+checks them when built), the limits on stop lists, and the prompt and max_tokens against the
+model's context and vocabulary (make_request). Every failure is an InvalidRequestError whose
+`field` is the engine's name for the input; each protocol renames it to its own spelling
+(server/convert.py: `max_tokens` -> `stopping.max_tokens`)."""
+import math
+import uuid
+from dataclasses import dataclass
+
+from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.protocol import EngineRequest
+
+MAX_N = 64
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Limits a server puts on requests beyond what the model allows (`pagoda serve` flags, named
+    in the errors). None: no limit but the model's context."""
+    max_prompt_tokens: int | None = None  # --max-prompt-tokens; None: context length - 1
+    max_tokens_limit: int | None = None  # --max-tokens-limit; None: context length
+    max_stop_strings: int | None = None  # --max-stop-strings
+    max_stop_string_len: int | None = None  # --max-stop-string-len, characters
+    max_stop_token_ids: int | None = None  # --max-stop-token-ids
+
+    def __post_init__(self):
+        for name in ("max_prompt_tokens", "max_tokens_limit"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or unset, got {v!r}")
+        for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or unset, got {v!r}")
+
+    def prompt_tokens(self, context: int) -> int:
+        """The most prompt tokens accepted: the limit, always leaving room for one new token."""
+        room = context - 1
+        return room if self.max_prompt_tokens is None else min(self.max_prompt_tokens, room)
+
+    def max_tokens(self, context: int) -> int:
+        return context if self.max_tokens_limit is None else min(self.max_tokens_limit, context)
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded model allows (from ModelInfo)."""
+    vocab_size: int
+    max_model_len: int
+
+
+# ---- request ids ----
+
+def new_request_id() -> str:
+    """The one place a request id is made up, for a request that brings none."""
+    return uuid.uuid4().hex
+
+
+def check_request_id(request_id) -> str:
+    if not isinstance(request_id, str):
+        raise InvalidRequestError("request_id", f"must be a string, got {type(request_id).__name__}")
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters, "
+                                                f"got {len(request_id)}")
+    return request_id
+
+
+# ---- sampling ----
+
+def check_sampling(p) -> None:
+    """The ranges of a SamplingParams' fields (called when one is built)."""
+    check_int("n", p.n, lo=1, hi=MAX_N)
+    check_number("temperature", p.temperature, lo=0.0)
+    check_number("top_p", p.top_p)
+    if not 0.0 < p.top_p <= 1.0:
+        raise InvalidRequestError("top_p", f"must be in (0, 1], got {p.top_p!r}")
+    check_number("min_p", p.min_p, lo=0.0, hi=1.0)
+    check_int("top_k", p.top_k, lo=-1, hint=" (0 or -1: off)")
+    check_number("repetition_penalty", p.repetition_penalty)
+    if p.repetition_penalty <= 0:
+        raise InvalidRequestError("repetition_penalty", f"must be > 0, got {p.repetition_penalty!r}")
+    check_number("presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0)
+    check_number("frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0)
+    if p.seed is not None:
+        check_int("seed", p.seed, lo=0, hi=MAX_SEED)
+    if p.max_tokens is not None:
+        check_int("max_tokens", p.max_tokens, lo=1)
+    check_int("min_tokens", p.min_tokens, lo=0)
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}")
+    for i, s in enumerate(p.stop):
+        if not isinstance(s, str) or not s:
+            raise InvalidRequestError(f"stop[{i}]", f"must be a non-empty string, got {s!r}")
+    for i, t in enumerate(p.stop_token_ids):
+        check_int(f"stop_token_ids[{i}]", t, lo=0)
+    for name in ("ignore_eos", "logprobs"):
+        if not isinstance(getattr(p, name), bool):
+            raise InvalidRequestError(name, f"must be a bool, got {getattr(p, name)!r}")
+    check_int("top_logprobs", p.top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+
+
+def check_number(field: str, value, lo=None, hi=None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(field, f"must be a finite number, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rule = f">= {lo:g}" if hi is None else f"<= {hi:g}" if lo is None else f"in [{lo:g}, {hi:g}]"
+        raise InvalidRequestError(field, f"must be {rule}, got {value!r}")
+
+
+def check_int(field: str, value, lo=None, hi=None, hint: str = "") -> None:
+    if not _is_int(value):
+        raise InvalidRequestError(field, f"must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidRequestError(field, f"must be {rule}{hint}, got {value!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ---- a whole request against the model ----
+
+def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: str | None = None,
+                 priority: int = 0, limits: RequestLimits = DEFAULT_LIMITS, default_max_tokens: int | None = None,
+                 stream: bool = True) -> EngineRequest:
+    """A user's prompt (text or token ids) and SamplingParams as a checked EngineRequest: sizes
+    first (so a huge request is refused before any tokenizing), then the prompt, then max_tokens
+    against the context. params.max_tokens None means default_max_tokens, else up to the context."""
+    from pagoda.engine.sampling_params import SamplingParams
+
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
+    request_id = check_request_id(request_id) if request_id else new_request_id()
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
+    _check_stop_sizes(params, limits, model.vocab_size)
+    ids = _prompt_ids(prompt, tokenizer, model, limits)
+    max_tokens = _max_tokens(params, len(ids), model.max_model_len, limits, default_max_tokens)
+    if params.min_tokens > max_tokens:
+        raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
+    if max_tokens != params.max_tokens:
+        params = params.replace(max_tokens=max_tokens)
+    return EngineRequest(request_id, ids, params, priority, stream)
+
+
+def _check_stop_sizes(params, limits: RequestLimits, vocab_size: int) -> None:
+    if limits.max_stop_strings is not None and len(params.stop) > limits.max_stop_strings:
+        raise InvalidRequestError("stop", f"must hold at most {limits.max_stop_strings} strings "
+                                          f"(--max-stop-strings), got {len(params.stop)}")
+    for i, s in enumerate(params.stop):
+        if limits.max_stop_string_len is not None and len(s) > limits.max_stop_string_len:
+            raise InvalidRequestError(f"stop[{i}]", f"must be at most {limits.max_stop_string_len} characters "
+                                                    f"(--max-stop-string-len), got {len(s)}")
+    if limits.max_stop_token_ids is not None and len(params.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError("stop_token_ids", f"must hold at most {limits.max_stop_token_ids} ids "
+                                                    f"(--max-stop-token-ids), got {len(params.stop_token_ids)}")
+    for i, t in enumerate(params.stop_token_ids):
+        if t >= vocab_size:
+            raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be < vocab_size ({vocab_size}), got {t}")
+
+
+def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits) -> list[int]:
+    most = limits.prompt_tokens(model.max_model_len)
+    flag = "--max-prompt-tokens, and " if limits.max_prompt_tokens is not None else ""
+    too_long = (f"more than the {most} prompt tokens accepted ({flag}the context length {model.max_model_len} "
+                f"less one for the completion)")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        ids = tokenizer.encode(prompt)
+        if len(ids) > most:
+            raise InvalidRequestError("prompt", f"is {len(ids)} tokens, {too_long}")
+        return ids
+    if prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__"):
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+    ids = list(prompt)
+    if not ids:
+        raise InvalidRequestError("prompt_token_ids", "must not be empty")
+    if len(ids) > most:  # before the per-id check: a huge list is refused at once
+        raise InvalidRequestError("prompt_token_ids", f"holds {len(ids)} tokens, {too_long}")
+    vocab = model.vocab_size
+    for i, t in enumerate(ids):
+        if not _is_int(t) or not 0 <= t < vocab:
+            raise InvalidRequestError(f"prompt_token_ids[{i}]", f"must be a token id in [0, {vocab}), got {t!r}")
+    return ids
+
+
+def _max_tokens(params, num_prompt: int, context: int, limits: RequestLimits, default: int | None) -> int:
+    room = context - num_prompt
+    most = limits.max_tokens(context)
+    if params.max_tokens is None:
+        return min(room, most) if default is None else min(default, room, most)
+    if params.max_tokens > room:
+        raise InvalidRequestError("max_tokens", f"({params.max_tokens}) plus the prompt ({num_prompt} tokens) "
+                                                f"must fit the context length ({context})")
+    if params.max_tokens > most:
+        raise InvalidRequestError("max_tokens", f"must be at most {most} (this server's --max-tokens-limit), "
+                                                f"got {params.max_tokens}")
+    return params.max_tokens
