@@ -16,10 +16,16 @@ import sys
 
 def _offline(args: argparse.Namespace) -> int:
     from pagoda.engine import LLM, SamplingParams
+    from pagoda.engine.errors import InvalidRequestError
 
-    llm = LLM(args.model, dtype=args.dtype)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    out = llm.generate([args.prompt], params)[0]
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        llm = LLM(args.model, dtype=args.dtype)
+        out = llm.generate([args.prompt], params)[0]
+    except InvalidRequestError as e:  # names the option: --temperature, --max-tokens, --seed or the prompt
+        what = "the prompt" if e.field.startswith("prompt") else f"--{e.field.replace('_', '-')}"
+        print(f"pagoda offline: {what} {e.message}", file=sys.stderr)
+        return 2
     print(out.text)
     return 0
 

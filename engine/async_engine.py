@@ -90,6 +90,15 @@ class AsyncEngine:
         """The snapshot taken after the latest step (uptime read now)."""
         return dataclasses.replace(self._stats, uptime_s=time.monotonic() - self._started)
 
+    def num_queued(self) -> int:
+        """Sequences waiting for the core to schedule them, as the queue limit counts them."""
+        return self._num_waiting + self._num_pending
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted and not yet finished (or left by their caller)."""
+        return len(self._queues)
+
     @property
     def core(self):
         """The engine core (LLMEngine) with the in-thread transport, for tests and tools; None with
@@ -103,7 +112,7 @@ class AsyncEngine:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is shut down")
-            if self._num_waiting + self._num_pending >= self.config.max_queue_len:
+            if self.num_queued() >= self.config.max_queue_len:
                 raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
             if req.request_id in self._queues:
                 raise DuplicateRequestError("request_id", f"{req.request_id!r} is already used by a request in flight")

@@ -185,7 +185,7 @@ def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits) ->
     if not ids:
         raise InvalidRequestError("prompt_token_ids", "must not be empty")
     if len(ids) > most:  # before the per-id check: a huge list is refused at once
-        raise InvalidRequestError("prompt_token_ids", f"holds {len(ids)} tokens, {too_long}")
+        raise InvalidRequestError("prompt_token_ids", f"is {len(ids)} tokens, {too_long}")
     vocab = model.vocab_size
     for i, t in enumerate(ids):
         if not _is_int(t) or not 0 <= t < vocab:

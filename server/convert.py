@@ -45,13 +45,14 @@ def grpc_error(e: InvalidRequestError, prompt: str | None) -> InvalidRequestErro
 def to_engine_request(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine,
                       limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None) -> EngineRequest:
     """A Generate(Stream)Request, checked and tokenized (engine.make_request); raises
-    InvalidRequestError naming the request's field. Rendering and tokenizing a long prompt takes a
-    while: the servicer calls this in a thread for large prompts."""
+    InvalidRequestError naming the request's field. `request_id` (e.g. from x-request-id metadata)
+    applies when the request's own is empty. Rendering and tokenizing a long prompt takes a while:
+    the servicer calls this in a thread for large prompts."""
     which = req.WhichOneof("prompt")
     try:
         params = _params(req)
-        return engine.make_request(_prompt(req, which, engine), params, request_id, req.priority, limits=limits,
-                                   default_max_tokens=DEFAULT_MAX_TOKENS)
+        return engine.make_request(_prompt(req, which, engine), params, req.request_id or request_id, req.priority,
+                                   limits=limits, default_max_tokens=DEFAULT_MAX_TOKENS)
     except InvalidRequestError as e:
         raise grpc_error(e, which) from None
 

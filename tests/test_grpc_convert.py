@@ -5,8 +5,10 @@ import grpc
 import pytest
 
 from pagoda.client.client import build_request
-from pagoda.engine.errors import EngineClosedError, EngineError, InvalidRequestError, QueueFullError
+from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineError, InvalidRequestError,
+                                  QueueFullError)
 from pagoda.engine.outputs import ModelInfo, RequestOutput, TokenLogprob
+from pagoda.engine.validation import ModelLimits, make_request
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.server import convert
 from pagoda.server.servicer import status_for
@@ -16,8 +18,22 @@ pytestmark = pytest.mark.timeout(60)
 INFO = ModelInfo(model_id="m", architecture="LlamaForCausalLM", dtype="float32", max_model_len=512,
                  vocab_size=262, eos_token_ids=[257], block_size=16, num_kv_blocks=64, max_num_seqs=4,
                  max_num_batched_tokens=256, max_queue_len=8)
-ENGINE = SimpleNamespace(model_info=INFO, encode=lambda text: list(text.encode()),
-                         apply_chat_template=lambda msgs: [258] + [b for m in msgs for b in m["content"].encode()])
+TOKENIZER = SimpleNamespace(encode=lambda text: list(text.encode()))
+
+
+class Engine:
+    """What convert needs of AsyncEngine: make_request (the engine's own validation) and the chat template."""
+    model_info = INFO
+
+    def make_request(self, prompt, params, request_id=None, priority=0, **kw):
+        return make_request(prompt, params, model=ModelLimits(INFO.vocab_size, INFO.max_model_len),
+                            tokenizer=TOKENIZER, request_id=request_id, priority=priority, **kw)
+
+    def apply_chat_template(self, msgs):
+        return [258] + [b for m in msgs for b in m["content"].encode()]
+
+
+ENGINE = Engine()
 
 
 def convert_(prompt=None, **kw):
@@ -27,7 +43,7 @@ def convert_(prompt=None, **kw):
 def test_unset_fields_take_the_documented_defaults():
     r = convert_("Hello")
     p = r.params
-    assert r.prompt == list(b"Hello") and r.request_id and r.priority == 0
+    assert r.prompt_token_ids == list(b"Hello") and r.request_id and r.priority == 0
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.seed) == (1.0, 0, 1.0, 0.0, None)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert p.max_tokens == convert.DEFAULT_MAX_TOKENS == 256
@@ -53,16 +69,20 @@ def test_top_logprobs_implies_logprobs_and_ids_pass_through():
 
 def test_messages_use_the_chat_template():
     r = convert_(messages=[("user", "hi"), {"role": "assistant", "content": "yo"}])
-    assert r.prompt == [258, *b"hiyo"]
+    assert r.prompt_token_ids == [258, *b"hiyo"]
 
 
 def test_error_messages_name_field_and_value():
-    with pytest.raises(convert.RequestError, match=r"^sampling\.top_p must be in \(0, 1\], got 1\.5$"):
+    with pytest.raises(InvalidRequestError, match=r"^sampling\.top_p must be in \(0, 1\], got 1\.5$"):
         convert_("Hello", top_p=1.5)
-    with pytest.raises(convert.RequestError, match=r"^stopping\.max_tokens \(600\) plus the prompt \(5 tokens\)"):
+    with pytest.raises(InvalidRequestError, match=r"^stopping\.max_tokens \(600\) plus the prompt \(5 tokens\)"):
         convert_("Hello", max_tokens=600)
-    with pytest.raises(convert.RequestError, match=r"^token_ids\.ids\[0\] must be < vocab_size \(262\), got 262$"):
+    with pytest.raises(InvalidRequestError, match=r"^token_ids\.ids\[0\] must be a token id in \[0, 262\), got 262$"):
         convert_([262])
+    with pytest.raises(InvalidRequestError, match=r"^stopping\.stop\[1\] must be a non-empty string"):
+        convert_("Hello", stop=["a", ""])
+    with pytest.raises(InvalidRequestError, match=r"^text is 600 tokens, more than the 511 prompt tokens"):
+        convert_("x" * 600)
 
 
 @pytest.mark.parametrize("stop_reason,expected", [
@@ -86,8 +106,10 @@ def test_unfinished_delta_has_no_finish_reason_or_usage():
 
 
 @pytest.mark.parametrize("exc,code", [
-    (convert.RequestError("text", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidRequestError("max_tokens", "too many"), grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequestError("text", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
+    (convert.grpc_error(InvalidRequestError("max_tokens", "too many"), "text"), grpc.StatusCode.INVALID_ARGUMENT),
+    (DuplicateRequestError("request_id", "'r' is already used by a request in flight"),
+     grpc.StatusCode.ALREADY_EXISTS),
     (QueueFullError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineClosedError("closed"), grpc.StatusCode.UNAVAILABLE),
     (EngineError("boom"), grpc.StatusCode.INTERNAL),
@@ -97,4 +119,4 @@ def test_status_codes(exc, code):
     got, message = status_for(exc)
     assert got == code and message
     if isinstance(exc, InvalidRequestError):
-        assert message.startswith("stopping.max_tokens")
+        assert message.startswith(exc.field)

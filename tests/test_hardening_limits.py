@@ -152,7 +152,7 @@ def fill(srv, client) -> list:
     streams = [client.generate_stream("Hello", max_tokens=2)]
     wait_until(lambda: len(scheduler.running) == 1, "the first request to run")
     streams += [client.generate_stream("Hello", max_tokens=2) for _ in range(2)]
-    wait_until(lambda: srv.server.state.num_generations == 3 and srv.engine._num_queued() == 2,
+    wait_until(lambda: srv.server.state.num_generations == 3 and srv.engine.num_queued() == 2,
                "two queued requests")
     return streams
 
@@ -184,7 +184,7 @@ def test_max_prompt_tokens(client):
     assert len(client.generate([65] * 32, max_tokens=2).token_ids) <= 2
     for fn in (client.generate, client.generate_stream):
         msg = invalid(fn, [65] * 33, max_tokens=2)
-        assert msg.startswith("token_ids.ids holds 33 tokens") and "--max-prompt-tokens" in msg
+        assert msg.startswith("token_ids.ids is 33 tokens") and "--max-prompt-tokens" in msg
         msg = invalid(fn, "y" * 40, max_tokens=2)
         assert msg.startswith("text is 4") and "32 prompt tokens" in msg
         msg = invalid(fn, messages=[("user", "z" * 40)], max_tokens=2)
