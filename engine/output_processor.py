@@ -20,11 +20,16 @@ def step_outputs(seqs: list[Sequence]) -> list[RequestOutput]:
     return [_output(s) for s in seqs if s.stream or s.is_finished]
 
 
+def failed_output(request_id: str, error: str, index: int = 0) -> RequestOutput:
+    """What a request's caller gets when the step running it failed (the stream raises EngineError)."""
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", stop_reason="error", error=error,
+                         index=index)
+
+
 def _output(seq: Sequence) -> RequestOutput:
     reason = seq.finish_reason
     if reason is FinishReason.ERROR:
-        return RequestOutput(seq.request_id, [], "", finished=True, finish_reason="error", stop_reason="error",
-                             error=seq.error, index=seq.index)
+        return failed_output(seq.request_id, seq.error, seq.index)
     if reason in _FLUSHED:
         seq.detokenizer.flush()
     text = seq.detokenizer.text

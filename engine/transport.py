@@ -19,7 +19,7 @@ import threading
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.errors import EngineError
-from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.output_processor import failed_output
 from pagoda.engine.protocol import (Abort, Closed, CoreFailed, CoreReady, EngineRequest, Queued, Shutdown,
                                     StepReport)
 
@@ -67,8 +67,7 @@ def _add(core, req: EngineRequest) -> list:
         core.add_request(req)
     except Exception as e:  # checked before it was sent: a bug, which fails only this request
         log.exception("taking in request %s failed", req.request_id)
-        return [RequestOutput(req.request_id, [], "", finished=True, finish_reason="error", stop_reason="error",
-                              error=f"{type(e).__name__}: {e}")]
+        return [failed_output(req.request_id, f"{type(e).__name__}: {e}")]
     return []
 
 
