@@ -36,6 +36,7 @@ class AsyncEngine:
         self._num_waiting = self._stats.num_waiting  # the core's waiting list, as last reported
         self._closed = False  # no new requests
         self._transport_open = True
+        self.on_failure = None  # called with the error, from a worker thread, if the core dies
 
     def start(self) -> None:
         self._transport.start(self._on_report)
@@ -139,6 +140,8 @@ class AsyncEngine:
             with self._lock:
                 self._closed = True
             self._fail_pending(report.error)
+            if self.on_failure is not None:
+                self.on_failure(report.error)
 
     def _settle(self, out: RequestOutput) -> tuple | None:  # under self._lock
         """Book one output against its request; (event loop, queue) to hand it to, or None when

@@ -31,3 +31,7 @@ class EngineError(RuntimeError):
 
 class EngineClosedError(RuntimeError):
     """The engine was shut down."""
+
+
+class EngineDeadError(EngineClosedError):
+    """The engine core died (its process exited, or its loop crashed): nothing more is served."""

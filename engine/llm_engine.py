@@ -39,7 +39,8 @@ class LLMEngine:
         load_weights(model, path)
         self.model = model.eval()
         self.config = self._resolve(config, path)
-        backend = _attention_backend(self.config.attention_backend, self.device)
+        head_dim = next(m.head_dim for m in self.model.modules() if hasattr(m, "head_dim"))
+        backend = _attention_backend(self.config.attention_backend, self.device, head_dim)
         self.runner = ModelRunner(self.model, self.config.num_kv_blocks, self.config.block_size, self.dtype,
                                   self.device, self.config.seed, self.hf_config.vocab_size, backend)
         if self.device.type == "cuda":
@@ -229,8 +230,9 @@ def _eos_ids(path: str, hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _attention_backend(name: str, device: torch.device):
-    """The attention module for `name` on `device`, or None for the torch (SDPA) implementation."""
+def _attention_backend(name: str, device: torch.device, head_dim: int):
+    """The attention module for `name` on `device` that can run this model's heads, or None for the
+    torch (SDPA) implementation. Refused here, at load, not on every request."""
     if name == "torch" or (name == "auto" and device.type not in ("cuda", "cpu")):
         return None
     explicit = name != "auto"
@@ -245,6 +247,9 @@ def _attention_backend(name: str, device: torch.device):
         ok, why = False, str(e)
     else:
         ok, why = backend.is_available(device)
+        unsupported = getattr(backend, "unsupported", lambda head_dim: None)(head_dim)
+        if ok and unsupported:
+            ok, why = False, f"it cannot run this model: {unsupported}"
     if ok:
         return backend
     if explicit:

@@ -10,6 +10,7 @@ Both transports run the same loop (run_core) over the same records (engine/proto
 in, reports out. A report reaches the front-end through `on_report`, called in the core's thread
 (in-thread) or in a receiver thread that reads the child's pipe.
 """
+import atexit
 import collections
 import logging
 import multiprocessing
@@ -18,7 +19,7 @@ import signal
 import threading
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.errors import EngineError
+from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.output_processor import failed_output
 from pagoda.engine.protocol import (Abort, Closed, CoreFailed, CoreReady, EngineRequest, Queued, Shutdown,
                                     StepReport)
@@ -87,9 +88,15 @@ class ThreadTransport:
         self._thread: threading.Thread | None = None
 
     def start(self, on_report) -> None:
-        self._thread = threading.Thread(target=run_core, args=(self.core, self._commands, on_report),
-                                        name="pagoda-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(on_report,), name="pagoda-engine", daemon=True)
         self._thread.start()
+
+    def _run(self, on_report) -> None:
+        try:
+            run_core(self.core, self._commands, on_report)
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: the front-end must know
+            log.exception("the engine loop crashed")
+            on_report(CoreFailed(EngineDeadError(f"the engine loop crashed: {type(e).__name__}: {e}")))
 
     def send(self, command) -> None:
         self._commands.send(command)
@@ -130,14 +137,21 @@ class ProcessTransport:
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, args=(config, child_conn), name="pagoda-engine", daemon=True)
         self._proc.start()
+        # Runs before multiprocessing's own exit handler, whose terminate() the child ignores (SIGTERM
+        # is the parent's to handle) and whose join() would then wait forever, e.g. for a child still
+        # loading when the server is told to stop.
+        atexit.register(self._kill)
         child_conn.close()
         try:
             msg = self._conn.recv()
         except EOFError:
             self._proc.join(5)
+            atexit.unregister(self._kill)
             raise RuntimeError(f"the engine process exited while loading (exit code {self._proc.exitcode})")
         if isinstance(msg, CoreFailed):
             self._proc.join(30)
+            self._kill()
+            atexit.unregister(self._kill)
             raise msg.error
         self.ready: CoreReady = msg
         self._send_lock = threading.Lock()
@@ -161,6 +175,10 @@ class ProcessTransport:
         self._closing = True
         self.send(Shutdown())
         self._proc.join(30)
+        self._kill()
+        atexit.unregister(self._kill)
+
+    def _kill(self) -> None:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
@@ -173,7 +191,7 @@ class ProcessTransport:
                 if not self._closing:
                     self._proc.join(5)
                     log.error("the engine process exited (code %s)", self._proc.exitcode)
-                    on_report(CoreFailed(EngineError(f"the engine process exited (code {self._proc.exitcode})")))
+                    on_report(CoreFailed(EngineDeadError(f"the engine process exited (code {self._proc.exitcode})")))
                 return
             on_report(msg)
             if isinstance(msg, Closed):
@@ -192,10 +210,10 @@ def _child_main(config: EngineConfig, conn) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(CoreFailed(e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
-    conn.send(ready_report(core))
     try:
+        conn.send(ready_report(core))
         run_core(core, conn, conn.send)
-    except (EOFError, OSError, BrokenPipeError):
+    except (EOFError, OSError):
         pass  # the parent is gone
 
 

@@ -8,8 +8,8 @@ import signal
 import pytest
 
 from pagoda.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineError, InvalidRequestError,
-                                  QueueFullError)
+from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineDeadError, EngineError,
+                                  InvalidRequestError, QueueFullError)
 
 TRANSPORTS = ["thread", "process"]
 
@@ -262,15 +262,18 @@ def test_a_dead_engine_process_fails_its_requests(checkpoint):
         gen = eng.generate([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True))
         await gen.__anext__()
         os.kill(eng._transport.pid, signal.SIGKILL)
-        with pytest.raises(EngineError, match="engine process exited"):
+        with pytest.raises(EngineDeadError, match="engine process exited"):
             async for _ in gen:
                 pass
         with pytest.raises(EngineClosedError):
             await _collect(eng, [1, 2], SamplingParams(max_tokens=2))
+    failures = []
+    eng.on_failure = failures.append
     try:
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         eng.shutdown()
+    assert len(failures) == 1 and isinstance(failures[0], EngineDeadError)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -268,7 +268,7 @@ def _check_cache(k_cache, v_cache, device: torch.device) -> tuple[int, int, int,
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     _check(block_size > 0 and block_size & (block_size - 1) == 0,
            f"block_size (k_cache.shape[1]) must be a power of two, got {block_size}")
-    _check(16 <= head_dim <= 256, f"head_dim must be in [16, 256], got {head_dim}")
+    _check(unsupported(head_dim) is None, unsupported(head_dim) or "")
     return num_blocks, block_size, num_kv_heads, head_dim
 
 
@@ -340,6 +340,16 @@ def _num_sms(device: torch.device) -> int:
 # --------------------------------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------------------------------
+
+
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+
+
+def unsupported(head_dim: int) -> str | None:
+    """Why these kernels cannot run a model with this head size (None: they can)."""
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim must be in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}"
+    return None
 
 
 def is_available(device: torch.device) -> tuple[bool, str]:
