@@ -25,6 +25,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from pagoda.engine.demo import demo_model_path
+        t0 = time.monotonic()
         path = resolve_model_path(config.model) if config.model else demo_model_path()
         self.hf_config = load_hf_config(path)
         self.architecture = architecture_of(self.hf_config)
@@ -33,21 +34,33 @@ class LLMEngine:
         if self.device.type == "cpu" and config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
         self.dtype = _dtype(config.dtype, self.hf_config, self.device)
+        _log_phase("config and tokenizer", t0, path)
+        t0 = time.monotonic()
         torch.manual_seed(config.seed)
         with torch.device(self.device):
             model = build_model(self.hf_config).to(self.dtype)
         load_weights(model, path)
         self.model = model.eval()
+        _log_phase("weights", t0, f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+                                  f"{str(self.dtype).removeprefix('torch.')}, {self.device.type}")
         self.config = self._resolve(config, path)
+        t0 = time.monotonic()
         head_dim = next(m.head_dim for m in self.model.modules() if hasattr(m, "head_dim"))
         backend = _attention_backend(self.config.attention_backend, self.device, head_dim)
+        _log_phase("attention", t0, getattr(backend, "__name__", "torch SDPA").rsplit(".", 1)[-1])
+        t0 = time.monotonic()
         self.runner = ModelRunner(self.model, self.config.num_kv_blocks, self.config.block_size, self.dtype,
                                   self.device, self.config.seed, self.hf_config.vocab_size, backend)
+        kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
+        _log_phase("KV cache", t0, f"{self.config.num_kv_blocks} blocks of {self.config.block_size} tokens, "
+                                   f"{kv_bytes / 2**30:.2f} GiB")
         if self.device.type == "cuda":
+            t0 = time.monotonic()
             self.runner.warmup(min(self.config.max_num_batched_tokens, 512))
             # graphs pad batches with slot -1 rows, which only the Triton cache write skips
             if not self.config.enforce_eager and backend is not None:
                 self.runner.use_cuda_graphs(min(self.config.max_num_seqs, 256), self.config.max_model_len)
+            _log_phase("warm-up", t0, "CUDA graphs" if self.runner.decode_graphs is not None else "eager")
         self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
@@ -186,6 +199,10 @@ class LLMEngine:
         return ModelInfo(c.model, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
                          c.max_num_batched_tokens, c.max_queue_len)
+
+
+def _log_phase(phase: str, t0: float, what: str) -> None:
+    log.info("loaded %s in %.1f s (%s)", phase, time.monotonic() - t0, what)
 
 
 def _device(name: str) -> torch.device:

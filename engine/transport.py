@@ -17,6 +17,7 @@ import multiprocessing
 import pickle
 import signal
 import threading
+from logging.handlers import QueueHandler, QueueListener
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.errors import EngineDeadError
@@ -135,7 +136,12 @@ class ProcessTransport:
         """Starts the child and waits until it has loaded the model (raising what it raised if not)."""
         ctx = multiprocessing.get_context("spawn")  # fork is unsafe with gRPC's and torch's threads
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(config, child_conn), name="pagoda-engine", daemon=True)
+        # the child's log records go out through this process's handlers (its format, its level)
+        logs, root = ctx.Queue(), logging.getLogger()
+        self._log_listener = QueueListener(logs, *root.handlers, respect_handler_level=True)
+        self._log_listener.start()
+        self._proc = ctx.Process(target=_child_main, args=(config, child_conn, logs, root.level),
+                                 name="pagoda-engine", daemon=True)
         self._proc.start()
         # Runs before multiprocessing's own exit handler, whose terminate() the child ignores (SIGTERM
         # is the parent's to handle) and whose join() would then wait forever, e.g. for a child still
@@ -145,13 +151,10 @@ class ProcessTransport:
         try:
             msg = self._conn.recv()
         except EOFError:
-            self._proc.join(5)
-            atexit.unregister(self._kill)
+            self._stop()
             raise RuntimeError(f"the engine process exited while loading (exit code {self._proc.exitcode})")
         if isinstance(msg, CoreFailed):
-            self._proc.join(30)
-            self._kill()
-            atexit.unregister(self._kill)
+            self._stop()
             raise msg.error
         self.ready: CoreReady = msg
         self._send_lock = threading.Lock()
@@ -174,9 +177,13 @@ class ProcessTransport:
     def close(self) -> None:
         self._closing = True
         self.send(Shutdown())
+        self._stop()
+
+    def _stop(self) -> None:
         self._proc.join(30)
         self._kill()
         atexit.unregister(self._kill)
+        self._log_listener.stop()
 
     def _kill(self) -> None:
         if self._proc.is_alive():
@@ -198,11 +205,14 @@ class ProcessTransport:
                 return
 
 
-def _child_main(config: EngineConfig, conn) -> None:
+def _child_main(config: EngineConfig, conn, logs, log_level: int) -> None:
     # Ctrl-C (and a service manager's SIGTERM) reach the whole process group: the parent drains and
     # then shuts the child down; a parent that dies closes the pipe, which ends the child too
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    root = logging.getLogger()
+    root.handlers[:] = [QueueHandler(logs)]
+    root.setLevel(log_level)
     from pagoda.engine.llm_engine import LLMEngine
 
     try:

@@ -212,13 +212,24 @@ def test_a_lock_left_by_a_killed_build_is_cleared(tmp_path, monkeypatch):
     import time
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = os.path.join(_get_build_directory("pagoda_lock_test", False), "lock")
+    directory = cpu_ops._build_directory("pagoda_lock_test", "flags")
+    lock = os.path.join(directory, "lock")
     open(lock, "w").close()
-    cpu_ops._clear_stale_lock("pagoda_lock_test")
+    cpu_ops._clear_stale_lock(directory)
     assert os.path.exists(lock)  # a build may be running right now
     old = time.time() - cpu_ops._STALE_LOCK_S - 60
     os.utime(lock, (old, old))
-    cpu_ops._clear_stale_lock("pagoda_lock_test")
+    cpu_ops._clear_stale_lock(directory)
     assert not os.path.exists(lock)
+
+
+def test_each_torch_installation_builds_in_its_own_directory(tmp_path, monkeypatch):
+    """Two virtualenvs on one machine (two torch installations) must not share a build directory:
+    torch keys a build by its include paths, so sharing one rebuilds every time they alternate."""
+    import torch
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = cpu_ops._build_directory("pagoda_cpu_ops_x", "flags")
+    assert here == cpu_ops._build_directory("pagoda_cpu_ops_x", "flags") and here.startswith(str(tmp_path))
+    monkeypatch.setattr(torch, "__file__", "/other/venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert cpu_ops._build_directory("pagoda_cpu_ops_x", "flags") != here

@@ -2,8 +2,10 @@
 the residual add before it), SiLU-and-mul and rotary embedding, and the greedy argmax. They run
 in torch's intra-op threads.
 
-They are compiled on first use with torch's cpp_extension (10-30 s, once per machine and CPU kind;
-cached under ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR) and need a C++ compiler; where
+They are compiled on first use with torch's cpp_extension (about a minute on 2 cores, logged; once
+per torch installation, sources and CPU kind) into ~/.cache/pagoda/cpu_ops (or
+$TORCH_EXTENSIONS_DIR), one directory per torch installation, so that two virtualenvs on one machine
+neither rebuild each other's copy nor wait on each other's lock. They need a C++ compiler; where
 that fails the engine falls back to plain torch with a warning.
 """
 import glob
@@ -35,20 +37,35 @@ def _build():
     digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in sorted(glob.glob(_CSRC + "/*")))).hexdigest()
     flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(cap, []), f"-DPAGODA_CSRC_DIGEST={digest[:16]}"]
     name = f"pagoda_cpu_ops_{cap.lower()}"
+    directory = _build_directory(name, digest + " ".join(flags))
     _ninja_on_path()
-    _clear_stale_lock(name)
-    log.info("loading pagoda's CPU ops (compiled on first use: 10-30 s) ...")
+    _clear_stale_lock(directory)
+    built = os.path.exists(os.path.join(directory, f"{name}.so"))
+    t0 = time.monotonic()
+    if not built:
+        log.info("compiling pagoda's CPU ops for %s into %s (once per torch installation: about a minute "
+                 "on 2 cores) ...", cap, directory)
     load(name=name, sources=_SOURCES, extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
-         verbose=False)
+         build_directory=directory, verbose=False)
+    log.info("CPU ops (%s) %s in %.1f s", cap, "loaded" if built else "compiled", time.monotonic() - t0)
     return torch.ops.pagoda
 
 
-def _clear_stale_lock(name: str) -> None:
+def _build_directory(name: str, build_key: str) -> str:
+    """One directory per torch installation (its path and version) and build: torch's own cache keys a
+    build by its include paths, so two virtualenvs sharing it would rebuild each time they alternate."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagoda", "cpu_ops")
+    key = hashlib.sha256(f"{torch.__file__} {torch.__version__} {build_key}".encode()).hexdigest()[:16]
+    directory = os.path.join(root, f"{name}-{key}")
+    os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def _clear_stale_lock(directory: str) -> None:
     """torch's build lock outlives a build that was killed (say, Ctrl-C during a first start), and
     every later build would wait on it forever. A build takes well under _STALE_LOCK_S."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = os.path.join(_get_build_directory(name, False), "lock")
+    lock = os.path.join(directory, "lock")
     try:
         if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
             log.warning("removing %s, left by an interrupted build", lock)
