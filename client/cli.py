@@ -7,25 +7,171 @@
     pagoda health [--service NAME]                          grpc.health.v1 check: exit 0 only when SERVING
     pagoda offline "Hello"                                  generate in this process, without a server
 
+A prompt is the argument, `-` (read stdin) or --file PATH. Every mistake is one line on stderr: exit
+status 2 for a usage error (after the subcommand's usage), 1 when the call or the server failed.
 Heavy imports (torch, grpc, the engine) happen inside the subcommands so `pagoda --help` stays fast.
 """
 import argparse
+import math
 import os
 import sys
 
+# The largest values the request's protobuf fields hold; beyond them protobuf itself fails the call.
+UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 
+
+class CliError(Exception):
+    """A mistake found after parsing: one line; a usage error (exit 2) also shows the subcommand's usage."""
+
+    def __init__(self, message: str, usage: bool = False):
+        super().__init__(message)
+        self.usage = usage
+
+
+def _ranged(kind, lo, hi=None, *, lo_open: bool = False, most: int | None = None):
+    """An argparse type= function: a finite `kind` (int or float) in [lo, hi] ((lo, hi] with lo_open,
+    no upper bound without hi); `most` is the largest value the flag's protobuf field holds."""
+    noun = "an integer" if kind is int else "a number"
+    if hi is None:
+        rule = f"{'>' if lo_open else '>='} {lo}"
+    else:
+        rule = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {noun} {rule}, got {text!r}") from None
+        if ((kind is float and not math.isfinite(value)) or value < lo or (lo_open and value == lo)
+                or (hi is not None and value > hi)):
+            raise argparse.ArgumentTypeError(f"must be {noun} {rule}, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {text}")
+        return value
+    return parse
+
+
+# Ranges that do not depend on the model; the server stays the judge of the rest (n, top-logprobs,
+# max-tokens against the context, ...).
+_MAX_TOKENS = _ranged(int, 1, most=UINT32)
+_TEMPERATURE = _ranged(float, 0)
+_SEED = _ranged(int, 0, most=UINT64)
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    """repr(text), shortened: a prompt in an error message may be a whole file."""
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
+
+
+def _read_file(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise CliError(f"{flag}: cannot read {path!r}: {e.strerror or e}", usage=True) from None
+    except UnicodeDecodeError as e:
+        raise CliError(f"{flag}: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})", usage=True) from None
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt: the argument as is, stdin for `-`, or the contents of --file (for a prompt too
+    long for the command line)."""
+    if (args.prompt is None) == (args.file is None):
+        raise CliError("give the prompt as an argument, `-` to read stdin, or --file PATH (exactly one)",
+                       usage=True)
+    if args.prompt == "-" or args.file == "-":
+        text, source = sys.stdin.read(), "stdin"
+    elif args.file is not None:
+        text, source = _read_file("--file", args.file), f"--file {args.file!r}"
+    else:
+        text, source = args.prompt, "the argument"
+    if not text:
+        raise CliError(f"the prompt is empty (from {source})", usage=True)
+    return text
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        ids = None
+    if ids is None or not all(0 <= t <= UINT32 for t in ids):
+        raise CliError(f"--token-ids must be comma-separated integers >= 0, e.g. 1,2,3; got {_clip(text)}",
+                       usage=True)
+    return ids
+
+
+def _say(args: argparse.Namespace, message: str) -> None:
+    print(f"{args.parser.prog}: {message}", file=sys.stderr)
+
+
+def _one_line_errors(fn):
+    """Runs a subcommand; any expected failure becomes one line on stderr and its exit status."""
+    def wrapped(args):
+        import grpc
+
+        try:
+            return fn(args)
+        except CliError as e:
+            if e.usage:
+                args.parser.error(str(e))  # the subcommand's usage, then the line; exits 2
+            _say(args, str(e))
+            return 1
+        except grpc.RpcError as e:
+            _say(args, _rpc_message(args, e))
+            return 1
+        except (OSError, ValueError) as e:  # a model that cannot be loaded (offline), a bad PEM file
+            _say(args, str(e))
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    return wrapped
+
+
+# gRPC's own wording when no connection was made; the server's UNAVAILABLE (loading, draining) differs.
+_NO_CONNECTION = ("failed to connect", "errors resolving", "dns resolution failed", "empty address list")
+_TLS_WORDS = ("tls", "ssl", "certificate", "handshake", "socket closed", "verification")
+
+
+def _rpc_message(args: argparse.Namespace, e) -> str:
+    """The one place a failed call becomes a line: what went wrong and what to do about it."""
+    import grpc
+
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and details.lower().startswith(_NO_CONNECTION):
+        # gRPC's detail is "failed to connect to all addresses; last error: UNKNOWN: ipv4:...: <why>"
+        why = next((s for s in reversed(details.split(": ")) if s.strip(" []") not in ("", "OK")), details)
+        hint = ("check --tls, --tls-ca and --tls-server-name against the server's TLS setup"
+                if any(w in details.lower() for w in _TLS_WORDS)
+                else "is `pagoda serve` running? set --target or PAGODA_TARGET")
+        return f"cannot reach a pagoda server at {args.target} (UNAVAILABLE: {why.strip(' []')}; {hint})"
+    if code == grpc.StatusCode.NOT_FOUND and args.command == "health":
+        from pagoda.client.client import SERVICE_NAME
+
+        return (f"the server does not know the service {args.service!r} (try '' for the whole server "
+                f"or {SERVICE_NAME})")
+    hint = ""
+    if code == grpc.StatusCode.UNAVAILABLE and "loading" in details:
+        hint = " (--wait SECONDS waits until it is SERVING)"
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        hint = " (set --api-key or PAGODA_API_KEY)"
+    elif code == grpc.StatusCode.DEADLINE_EXCEEDED and args.timeout:
+        hint = f" (--timeout {args.timeout:g} ran out)"
+    return f"{code.name}: {details}{hint}"
+
+
+@_one_line_errors
 def _offline(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)  # before torch loads: a missing prompt is reported at once
     from pagoda.engine import LLM, SamplingParams
     from pagoda.engine.errors import InvalidRequestError
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype)
-        out = llm.generate([args.prompt], params)[0]
+        out = LLM(args.model, dtype=args.dtype).generate([prompt], params)[0]
     except InvalidRequestError as e:  # names the option: --temperature, --max-tokens, --seed or the prompt
         what = "the prompt" if e.field.startswith("prompt") else f"--{e.field.replace('_', '-')}"
-        print(f"pagoda offline: {what} {e.message}", file=sys.stderr)
-        return 2
+        raise CliError(f"{what} {e.message}", usage=True) from None
     print(out.text)
     return 0
 
@@ -54,8 +200,11 @@ def _add_target(p: argparse.ArgumentParser, timeout: float | None = None) -> Non
     p.add_argument("--target", default=_default_target(),
                    help="server address host:port (default: localhost:50051, or localhost:$PAGODA_PORT) "
                         "[env PAGODA_TARGET]")
-    p.add_argument("--timeout", type=float, default=timeout,
+    p.add_argument("--timeout", type=_ranged(float, 0, lo_open=True), default=timeout,
                    help=f"deadline of each call in seconds (default: {timeout if timeout else 'none'})")
+    p.add_argument("--wait", type=_ranged(float, 0), default=0.0, metavar="SECONDS",
+                   help="first wait up to SECONDS for the server to be SERVING, e.g. while `pagoda serve` "
+                        "loads its model (default: 0, don't wait)")
     g = p.add_argument_group("security")
     g.add_argument("--api-key", default=env("PAGODA_API_KEY"),
                    help="send 'authorization: Bearer KEY' [env PAGODA_API_KEY]")
@@ -73,54 +222,60 @@ def _add_target(p: argparse.ArgumentParser, timeout: float | None = None) -> Non
                         "[env PAGODA_TLS_SERVER_NAME]")
 
 
-def _client(args: argparse.Namespace):
+def _connect(args: argparse.Namespace):
+    """A Client from the subcommand's flags; with --wait, once the server is SERVING."""
     from pagoda.client.client import Client
 
-    return Client(args.target, timeout=args.timeout, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca,
-                  tls_cert=args.tls_client_cert, tls_key=args.tls_client_key, tls_server_name=args.tls_server_name)
+    if bool(args.tls_client_cert) != bool(args.tls_client_key):
+        raise CliError("--tls-client-cert and --tls-client-key go together: give both or neither", usage=True)
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-client-cert", args.tls_client_cert),
+                       ("--tls-client-key", args.tls_client_key)):
+        if path:
+            _read_file(flag, path)  # so that a bad path names its flag
+    # while waiting, retry the connection every second, not after gRPC's backoff (growing to 2 minutes)
+    options = [("grpc.max_reconnect_backoff_ms", 1000)] if args.wait else []
+    client = Client(args.target, timeout=args.timeout, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca,
+                    tls_cert=args.tls_client_cert, tls_key=args.tls_client_key,
+                    tls_server_name=args.tls_server_name, options=options)
+    if args.wait:
+        try:
+            client.wait_ready(args.wait)
+        except TimeoutError as e:
+            client.close()
+            last = f"; {_rpc_message(args, e.__cause__)}" if e.__cause__ is not None else ""
+            raise CliError(f"--wait {args.wait:g}: {e}{last}") from None
+    return client
+
+
+def _add_prompt(p: argparse.ArgumentParser, metavar: str = "PROMPT", help: str = "prompt text") -> None:
+    p.add_argument("prompt", nargs="?", metavar=metavar, help=f"{help}; - reads it from stdin")
+    p.add_argument("--file", metavar="PATH", help="read the prompt from this file (UTF-8, as is)")
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (unset: the server's default)")
-    g.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--repetition-penalty", type=float)
-    g.add_argument("--presence-penalty", type=float)
-    g.add_argument("--frequency-penalty", type=float)
-    g.add_argument("--max-tokens", type=int, help="server default: 256, capped by the context")
-    g.add_argument("--min-tokens", type=int)
+    g.add_argument("--temperature", type=_TEMPERATURE, help="0 = greedy (server default 1.0)")
+    g.add_argument("--top-k", type=_ranged(int, -1, most=INT32), help="0 or -1: off")
+    g.add_argument("--top-p", type=_ranged(float, 0, 1, lo_open=True))
+    g.add_argument("--min-p", type=_ranged(float, 0, 1))
+    g.add_argument("--seed", type=_SEED)
+    g.add_argument("--repetition-penalty", type=_ranged(float, 0, lo_open=True))
+    g.add_argument("--presence-penalty", type=_ranged(float, -2, 2))
+    g.add_argument("--frequency-penalty", type=_ranged(float, -2, 2))
+    g.add_argument("--max-tokens", type=_MAX_TOKENS, help="server default: 256, capped by the context")
+    g.add_argument("--min-tokens", type=_ranged(int, 0, most=UINT32))
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", action="append", type=int, default=[], dest="stop_token_ids",
-                   help="stop token id (repeatable)")
+    g.add_argument("--stop-token-id", action="append", type=_ranged(int, 0, most=UINT32), default=[],
+                   dest="stop_token_ids", help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--priority", type=int, default=0, help="lower is scheduled first (default 0)")
+    g.add_argument("--priority", type=_ranged(int, -INT32 - 1, INT32), default=0,
+                   help="lower is scheduled first (default 0)")
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority")
     return {n: getattr(args, n) for n in names}
-
-
-def _rpc_errors(fn):
-    """Runs a client subcommand; a gRPC error becomes one line on stderr and exit status 1."""
-    def wrapped(args):
-        import grpc
-
-        try:
-            return fn(args)
-        except grpc.RpcError as e:
-            print(f"pagoda: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-        except (OSError, ValueError) as e:  # an unreadable PEM file, a cert without its key
-            print(f"pagoda: {e}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return 130
-    return wrapped
 
 
 def _as_dict(msg) -> dict:
@@ -150,50 +305,79 @@ def _print_json(msg, lines: bool = False) -> None:
     print(json.dumps(_as_dict(msg), indent=None if lines else 2, ensure_ascii=False), flush=True)
 
 
-@_rpc_errors
+def _print_response(r, as_json: bool) -> None:
+    if as_json:
+        _print_json(r)
+    elif len(r.choices) > 1:  # several completions: each printed whole, in order
+        for choice in r.choices:
+            print(f"--- completion {choice.index} ---\n{choice.text}")
+    else:
+        print(r.text)
+
+
+def _print_stream(stream, as_json: bool):
+    """Prints a stream as it comes; returns each completion's (index, finish_reason) and the usage
+    totalled as Generate does (the prompt once, the completions summed)."""
+    from pagoda.v1 import generation_pb2 as pb
+
+    ends, usages = [], {}
+    for msg in stream:
+        if as_json:
+            _print_json(msg, lines=True)
+        else:
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+        if msg.finish_reason:
+            ends.append((msg.index, msg.finish_reason))
+            usages[msg.index] = msg.usage
+    if not as_json:
+        sys.stdout.write("\n")
+    usage = pb.Usage()
+    if usages:
+        usage.CopyFrom(usages[min(usages)])
+        usage.completion_tokens = sum(u.completion_tokens for u in usages.values())
+    return sorted(ends), usage
+
+
+def _report(ends, usage) -> None:
+    """-v: every completion's finish reason, then the usage, on stderr."""
+    from pagoda.v1 import generation_pb2 as pb
+
+    known = pb.FinishReason.values()
+    for index, reason in ends:
+        print(f"[completion {index}: {pb.FinishReason.Name(reason) if reason in known else reason}]",
+              file=sys.stderr)
+    print(f"[usage: prompt {usage.prompt_tokens} tokens, completion {usage.completion_tokens}, "
+          f"cached {usage.cached_prompt_tokens}]", file=sys.stderr)
+
+
+@_one_line_errors
 def _generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    if args.token_ids:
+        prompt = _token_ids(prompt)
     kw = _sampling_kwargs(args)
     kw.update(logprobs=args.logprobs, top_logprobs=args.top_logprobs, n=args.n)
-    prompt = [int(t) for t in args.prompt.split(",")] if args.token_ids else args.prompt
-    with _client(args) as c:
-        if (args.n or 1) > 1 and not args.json:  # several completions: each printed whole, in order
-            for choice in c.generate(prompt, **kw).choices:
-                print(f"--- completion {choice.index} ---\n{choice.text}")
-            return 0
-        if args.json:
-            if args.stream:
-                for msg in c.generate_stream(prompt, **kw):
-                    _print_json(msg, lines=True)
-            else:
-                _print_json(c.generate(prompt, **kw))
-            return 0
-        if args.stream:
-            last = None
-            for msg in c.generate_stream(prompt, **kw):
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-                last = msg
-        else:
-            last = c.generate(prompt, **kw)
-            sys.stdout.write(last.text)
-        sys.stdout.write("\n")
-        if args.verbose and last is not None:
-            from pagoda.v1 import generation_pb2 as pb
-
-            u = last.usage
-            print(f"[{pb.FinishReason.Name(last.finish_reason)}; prompt {u.prompt_tokens} tokens, "
-                  f"completion {u.completion_tokens}, cached {u.cached_prompt_tokens}]", file=sys.stderr)
+    with _connect(args) as c:
+        if args.stream and (args.json or (args.n or 1) == 1):
+            ends, usage = _print_stream(c.generate_stream(prompt, **kw), args.json)
+        else:  # -n above 1 without --json: each completion printed whole once all are done
+            r = c.generate(prompt, **kw)
+            _print_response(r, args.json)
+            ends, usage = [(choice.index, choice.finish_reason) for choice in r.choices], r.usage
+    if args.verbose:
+        _report(ends, usage)
     return 0
 
 
-@_rpc_errors
+@_one_line_errors
 def _chat(args: argparse.Namespace) -> int:
     kw = _sampling_kwargs(args)
     messages = [("system", args.system)] if args.system else []
     interactive = sys.stdin.isatty()
-    if interactive:
-        print("pagoda chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
-    with _client(args) as c:
+    with _connect(args) as c:
+        if interactive:
+            print("pagoda chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
         while True:
             if interactive:
                 sys.stderr.write("> ")
@@ -216,106 +400,106 @@ def _chat(args: argparse.Namespace) -> int:
             messages.append(("assistant", "".join(reply)))
 
 
-@_rpc_errors
+@_one_line_errors
 def _tokenize(args: argparse.Namespace) -> int:
-    with _client(args) as c:
-        print(" ".join(str(t) for t in c.tokenize(args.text)))
+    text = _read_prompt(args)
+    with _connect(args) as c:
+        print(" ".join(str(t) for t in c.tokenize(text)))
     return 0
 
 
-@_rpc_errors
+@_one_line_errors
 def _info(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _connect(args) as c:
         _print_json(c.model_info())
     return 0
 
 
-@_rpc_errors
+@_one_line_errors
 def _stats(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _connect(args) as c:
         _print_json(c.stats())
     return 0
 
 
+@_one_line_errors
 def _health(args: argparse.Namespace) -> int:
     """grpc.health.v1 Check; prints the status; exit 0 only when SERVING (a container HEALTHCHECK)."""
-    import grpc
-
-    try:
-        with _client(args) as c:
-            status = c.health(args.service)
-    except grpc.RpcError as e:
-        print(f"pagoda: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:
-        print(f"pagoda: {e}", file=sys.stderr)
-        return 1
+    with _connect(args) as c:
+        status = c.health(args.service)
     print(status)
     return 0 if status == "SERVING" else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
+    from pagoda.engine.config import DTYPES  # torch-free
+
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM text generation over gRPC")
+    parser.add_argument("--version", action="version", version=f"pagoda {version('pagoda')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="run the gRPC server",
-                       description="Run the pagoda.v1 gRPC server (with grpc.health.v1 and server reflection). "
-                                   "Every flag can also be set as the PAGODA_* environment variable shown.")
-    _add_serve_args(p)
-    p.set_defaults(func=_serve)
+    def command(name: str, func, operand: str = "", **kw) -> argparse.ArgumentParser:
+        # a short usage line: an error's line is not lost under a screenful of options (-h lists them)
+        p = sub.add_parser(name, usage=f"%(prog)s [options]{operand}", **kw)
+        p.set_defaults(func=func, parser=p)  # the parser: errors found later show its usage
+        return p
 
-    p = sub.add_parser("generate", help="generate a completion from a server")
-    p.add_argument("prompt", help="prompt text (or comma-separated token ids with --token-ids)")
+    p = command("serve", _serve, help="run the gRPC server",
+                description="Run the pagoda.v1 gRPC server (with grpc.health.v1 and server reflection). "
+                            "Every flag can also be set as the PAGODA_* environment variable shown.")
+    _add_serve_args(p)
+
+    p = command("generate", _generate, " (PROMPT | - | --file PATH)", help="generate a completion from a server")
+    _add_prompt(p, help="prompt text (or comma-separated token ids with --token-ids)")
     p.add_argument("--stream", action="store_true", help="print the completion as it is generated")
-    p.add_argument("-n", "--n", type=int, default=None, help="completions to generate (default 1; above 1 "
-                   "they are printed one after another when all are done, or streamed with --json)")
+    p.add_argument("-n", "--n", type=_ranged(int, 1, most=UINT32), default=None,
+                   help="completions to generate (default 1; above 1 they are printed one after another when all "
+                        "are done, or streamed with --json)")
     p.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--logprobs", action="store_true", help="ask for logprobs (shown with --json)")
-    p.add_argument("--top-logprobs", type=int, default=None)
+    p.add_argument("--top-logprobs", type=_ranged(int, 0, most=UINT32), default=None)
     p.add_argument("--json", action="store_true",
                    help="print the response as JSON (with --stream: one JSON line per message)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print finish reason and usage to stderr")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print each completion's finish reason and the token usage to stderr")
     _add_sampling(p)
     _add_target(p)
-    p.set_defaults(func=_generate)
 
-    p = sub.add_parser("chat", help="chat interactively (streamed, keeps the conversation)")
+    p = command("chat", _chat, help="chat interactively (streamed, keeps the conversation)")
     p.add_argument("--system", default=None, help="system message opening the conversation")
     _add_sampling(p)
     _add_target(p)
-    p.set_defaults(func=_chat)
 
-    p = sub.add_parser("tokenize", help="print the token ids of a text")
-    p.add_argument("text")
+    p = command("tokenize", _tokenize, " (TEXT | - | --file PATH)", help="print the token ids of a text")
+    _add_prompt(p, metavar="TEXT", help="the text")
     _add_target(p)
-    p.set_defaults(func=_tokenize)
 
-    p = sub.add_parser("info", help="print the served model and the server's limits (JSON)")
+    p = command("info", _info, help="print the served model and the server's limits (JSON)")
     _add_target(p)
-    p.set_defaults(func=_info)
 
-    p = sub.add_parser("stats", help="print the server's load and KV cache occupancy (JSON)")
+    p = command("stats", _stats, help="print the server's load and KV cache occupancy (JSON)")
     _add_target(p)
-    p.set_defaults(func=_stats)
 
-    p = sub.add_parser("health", help="check the server's health (grpc.health.v1); exit 0 only when SERVING")
+    p = command("health", _health, help="check the server's health (grpc.health.v1); exit 0 only when SERVING")
     p.add_argument("--service", default="", help='service name (default: "", the whole server)')
     _add_target(p, timeout=5.0)
-    p.set_defaults(func=_health)
 
-    p = sub.add_parser("offline", help="generate in this process, without a server")
-    p.add_argument("prompt")
+    p = command("offline", _offline, " (PROMPT | - | --file PATH)", help="generate in this process, without a server")
+    _add_prompt(p)
     p.add_argument("--model", default=None, help="HF directory or hub id (default: built-in demo model)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.set_defaults(func=_offline)
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--max-tokens", type=_MAX_TOKENS, default=32)
+    p.add_argument("--temperature", type=_TEMPERATURE, default=0.0)
+    p.add_argument("--seed", type=_SEED, default=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # reported by the subcommand's parser, with its usage (parse_args would show the top level's)
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

@@ -166,16 +166,19 @@ class Client(_Base):
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        """Blocks until the server reports SERVING; raises TimeoutError after `timeout` seconds."""
+        """Blocks until the server reports SERVING; raises TimeoutError after `timeout` seconds, naming
+        the last status (caused by the last check's grpc.RpcError when that check failed)."""
         deadline = time.monotonic() + timeout
         while True:
+            error = None
             try:
-                if self.health(timeout=min(5.0, max(0.1, deadline - time.monotonic()))) == "SERVING":
-                    return
-            except grpc.RpcError:
-                pass
+                status = self.health(timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+            except grpc.RpcError as e:
+                status, error = e.code().name, e
+            if status == "SERVING":
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server not SERVING after {timeout:g}s")
+                raise TimeoutError(f"server not SERVING after {timeout:g}s (last health check: {status})") from error
             time.sleep(0.1)
 
 

@@ -8,6 +8,7 @@
 #   PAGODA_VENV   where the virtual environment goes (default: /opt/pagoda/venv)
 #   PYTHON        the interpreter that makes it (default: python3; pagoda needs 3.10+)
 #   PIP_ARGS      extra `pip install` arguments (e.g. --index-url ...)
+#   PAGODA_REQUIRE_TOOLCHAIN=1  fail if gcc, c++ or Python.h (used at run time) is missing (else: a warning)
 #
 # It is the README's install (`pip install .`, not editable: the image holds no source tree), in a
 # virtual environment, then a smoke check from outside the source tree.
@@ -21,6 +22,24 @@ python="${PYTHON:-python3}"
 "$python" -m venv "$venv"
 # shellcheck disable=SC2086  # PIP_ARGS is a list of arguments
 "$venv/bin/python" -m pip install --no-cache-dir --disable-pip-version-check ${PIP_ARGS:-} "$src"
+
+# The compilers the server runs: Triton builds its CUDA kernel launchers with gcc (or $CC), and pagoda's
+# CPU ops (engine/layers/csrc) are built on first use by torch.utils.cpp_extension with c++ (or $CXX);
+# both need Python.h. Missing ones are a warning here (a GPU-only host needs no C++ compiler), an error
+# with PAGODA_REQUIRE_TOOLCHAIN=1 (docker/Dockerfile sets it: the image must have them all).
+missing=()
+command -v "${CC:-gcc}" >/dev/null || missing+=("a C compiler (${CC:-gcc})")
+command -v "${CXX:-c++}" >/dev/null || missing+=("a C++ compiler (${CXX:-c++})")
+"$venv/bin/python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+  || missing+=("the Python headers (Python.h)")
+if (( ${#missing[@]} )); then
+  msg="kernels compiled at run time need ${missing[*]}"
+  if [[ "${PAGODA_REQUIRE_TOOLCHAIN:-0}" == 1 ]]; then
+    echo "install.sh: error: $msg" >&2
+    exit 1
+  fi
+  echo "install.sh: warning: $msg" >&2
+fi
 
 # Smoke check, away from the source tree so nothing is imported from it.
 cd /

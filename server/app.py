@@ -34,13 +34,64 @@ def _load_in_thread(factory) -> asyncio.Future:
         except BaseException as e:  # noqa: BLE001 - handed to the loop
             err = e
             done = lambda: fut.done() or fut.set_exception(err)  # noqa: E731
-        try:
-            loop.call_soon_threadsafe(done)
-        except RuntimeError:  # the loop is closed: the server stopped while loading
-            pass
+        _call_soon(loop, done)  # a closed loop: the server stopped while loading
 
     threading.Thread(target=work, name="pagoda-load", daemon=True).start()
     return fut
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: the server has stopped
+        pass
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _reflection_v1_file():
+    """grpc/reflection/v1/reflection.proto in the default descriptor pool, so that reflection can describe
+    its own v1 service (grpcurl / buf curl resolve every listed service). grpcio-reflection ships only
+    v1alpha (grpc/grpc#38576); v1 is the same file under another package, so it is built from v1alpha's
+    descriptor, renamed. Added once; left alone if something already defined it."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, text_format
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.Default()
+    try:
+        return pool.FindFileContainingSymbol(REFLECTION_V1)
+    except KeyError:
+        pass
+    alpha = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(alpha)
+    # package, type references (".grpc.reflection.v1alpha.X"), go_package and java_package all say v1alpha
+    v1 = text_format.Parse(text_format.MessageToString(alpha).replace("v1alpha", "v1"),
+                           descriptor_pb2.FileDescriptorProto())
+    v1.name = "grpc/reflection/v1/reflection.proto"  # the real v1 file's name
+    v1.options.ClearField("deprecated")  # only v1alpha is deprecated
+    pool.AddSerializedFile(v1.SerializeToString())
+    return pool.FindFileByName(v1.name)
+
+
+def _enable_reflection(server, service_names) -> None:
+    """Serves server reflection as both grpc.reflection.v1.ServerReflection (what current grpcurl, buf curl
+    and grpc-java ask first) and the older grpc.reflection.v1alpha.ServerReflection, each listing both.
+    The two protocols' messages are identical on the wire, so v1 is the v1alpha servicer's one method
+    registered a second time under the v1 service name."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _reflection_v1_file()
+    names = [*service_names, REFLECTION_V1, reflection.SERVICE_NAME]
+    servicer = reflection.aio.ReflectionServicer(names)  # server is a grpc.aio server
+    handlers = {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}
+    for service in (REFLECTION_V1, reflection.SERVICE_NAME):
+        # as the generated add_*_to_server functions register a service
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        server.add_registered_method_handlers(service, handlers)
 
 
 class PagodaServer:
@@ -64,6 +115,7 @@ class PagodaServer:
         self.metrics_port: int | None = None
         self.ready = asyncio.Event()
         self.load_error: BaseException | None = None
+        self.died = asyncio.Event()  # the engine died while serving (server/main.py then exits 1)
         self._load_task: asyncio.Task | None = None
 
     async def _set_health(self, status) -> None:
@@ -76,9 +128,7 @@ class PagodaServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         add_servicer_to_server(GenerationServicer(self.state), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server)
+        _enable_reflection(self.server, [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
         # add_*_port raise RuntimeError if they cannot bind
         if credentials is None:
             self.port = self.server.add_insecure_port(self.address)
@@ -114,6 +164,8 @@ class PagodaServer:
     async def _load(self) -> None:
         try:
             engine = await _load_in_thread(self.engine_factory)
+            loop = asyncio.get_running_loop()
+            engine.on_failure = lambda error: _call_soon(loop, self._engine_died, error)
             engine.start()
         except Exception as e:
             self.load_error = e
@@ -135,6 +187,14 @@ class PagodaServer:
         log.info("serving %s (%s, %s, %s, context %d) on port %d", info.model_id, info.architecture, info.dtype,
                  device, info.max_model_len, self.port)
         self.ready.set()
+
+    def _engine_died(self, error: BaseException) -> None:
+        """The engine's process exited (or its loop crashed): its calls have failed with UNAVAILABLE;
+        health goes NOT_SERVING at once and new calls are refused, so that load balancers move on."""
+        log.error("%s: health NOT_SERVING, new calls refused", error)
+        self.state.phase = DRAINING
+        asyncio.ensure_future(self.health.enter_graceful_shutdown())
+        self.died.set()
 
     async def drain(self, grace: float) -> None:
         """Health NOT_SERVING, refuse new calls, let in-flight ones finish for up to `grace` seconds,

@@ -231,7 +231,12 @@ async def serve(args: argparse.Namespace) -> int:
     if server.load_error is not None:
         await server.server.stop(grace=None)
         return 1
-    await stopping
+    died = asyncio.create_task(server.died.wait())
+    await asyncio.wait([stopping, died], return_when=asyncio.FIRST_COMPLETED)
+    if server.died.is_set():  # its calls have failed already: exit for the supervisor to restart us
+        await server.drain(0)
+        log.error("exiting with code 1: the engine died")
+        return 1
     log.info("signal received; shutting down")
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the process at once
         loop.add_signal_handler(sig, lambda: os._exit(1))

@@ -1,10 +1,12 @@
 """The pagoda.v1 contract: stubs up to date with the .proto, buf lint (STANDARD), field names and
 presence that clients rely on. No server needed."""
 import importlib.util
+import shutil
 import subprocess
 import sys
 
 import pytest
+from google.protobuf import descriptor_pb2
 
 from grpc_fixtures import BUF, REPO, require_node_modules
 from pagoda.v1 import generation_pb2 as pb
@@ -46,6 +48,61 @@ def test_buf_lint_standard():
     buf_yaml = (PROTO_DIR / "buf.yaml").read_text()
     assert "STANDARD" in buf_yaml
     assert BUF.exists()
+
+
+# The per-language file options of generation.proto: what protoc / buf generate need to place the code
+# with no extra flags (protoc-gen-go refuses a file without go_package).
+FILE_OPTIONS = {
+    "go_package": "github.com/pagoda-ai/pagoda/gen/go/pagoda/v1;pagodav1",
+    "java_package": "com.pagoda.v1",
+    "java_multiple_files": True,
+    "java_outer_classname": "GenerationProto",
+    "csharp_namespace": "Pagoda.V1",
+    "objc_class_prefix": "PXX",
+    "php_namespace": "Pagoda\\V1",
+    "ruby_package": "Pagoda::V1",
+    "swift_prefix": "Pagoda_V1_",
+}
+
+
+def _check_file_options(options):
+    for name, value in FILE_OPTIONS.items():
+        assert options.HasField(name), f"generation.proto lacks `option {name}`"
+        assert getattr(options, name) == value, f"option {name} = {getattr(options, name)!r}"
+
+
+def test_file_options_in_the_stubs():
+    """The committed Python stubs carry the options (so they were regenerated after adding them)."""
+    _check_file_options(pb.DESCRIPTOR.GetOptions())
+
+
+def test_buf_build_keeps_the_file_options(tmp_path):
+    """buf compiles the module, and its image has the same options as the stubs."""
+    require_node_modules()
+    image = tmp_path / "image.binpb"
+    out = subprocess.run([str(BUF), "build", "--exclude-source-info", "-o", str(image)], cwd=str(PROTO_DIR),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"buf build failed:\n{out.stdout}{out.stderr}"
+    files = {f.name: f for f in descriptor_pb2.FileDescriptorSet.FromString(image.read_bytes()).file}
+    assert "pagoda/v1/generation.proto" in files, sorted(files)
+    _check_file_options(files["pagoda/v1/generation.proto"].options)
+
+
+@pytest.mark.skipif(shutil.which("protoc-gen-go") is None,
+                    reason="protoc-gen-go not on PATH (Debian: apt-get install protoc-gen-go; "
+                           "or go install google.golang.org/protobuf/cmd/protoc-gen-go@latest)")
+def test_protoc_gen_go_needs_no_flags(tmp_path):
+    """`buf generate` with protoc-gen-go and no per-file option writes the Go package go_package names."""
+    require_node_modules()
+    template = tmp_path / "buf.gen.yaml"
+    template.write_text("version: v2\nplugins:\n  - local: protoc-gen-go\n    out: go\n")
+    out = subprocess.run([str(BUF), "generate", "--template", str(template), "-o", str(tmp_path)],
+                         cwd=str(PROTO_DIR), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"buf generate (protoc-gen-go) failed:\n{out.stdout}{out.stderr}"
+    import_path, _, go_name = FILE_OPTIONS["go_package"].partition(";")
+    generated = tmp_path / "go" / import_path / "generation.pb.go"
+    assert generated.exists(), sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.go"))
+    assert f"\npackage {go_name}\n" in generated.read_text()
 
 
 def test_service_methods():

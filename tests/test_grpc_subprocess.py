@@ -89,9 +89,12 @@ def test_cli_chat_keeps_the_conversation(served):
 
 
 def test_cli_error_exit_status(served):
-    out = pagoda("generate", "Hello", "--top-p", "1.5", "--target", served.target)
+    # the server judges what depends on it (exit 1); the CLI refuses what it can check itself (exit 2)
+    out = pagoda("generate", "Hello", "-n", "65", "--target", served.target)
     assert out.returncode == 1
-    assert "INVALID_ARGUMENT" in out.stderr and "sampling.top_p" in out.stderr
+    assert "INVALID_ARGUMENT" in out.stderr and "sampling.n" in out.stderr
+    out = pagoda("generate", "Hello", "--top-p", "1.5", "--target", served.target)
+    assert out.returncode == 2 and "--top-p" in out.stderr
 
 
 # ---- clients nobody here wrote ----
@@ -123,6 +126,30 @@ def test_buf_curl_lists_services_by_reflection(served):
     assert {"pagoda.v1.GenerationService", "grpc.health.v1.Health"} <= services
     out = buf_curl(served.target, "--list-methods", f"http://{served.target}")
     assert "pagoda.v1.GenerationService/GenerateStream" in out.stdout
+
+
+REFLECTION_SERVICES = {"pagoda.v1.GenerationService", "grpc.health.v1.Health",
+                       "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+
+
+@pytest.mark.parametrize("protocol", ["grpc-v1", "grpc-v1alpha"])
+def test_buf_curl_reflection_protocols(served, protocol):
+    """Both reflection services answer, and each lists (and can describe) both."""
+    out = buf_curl(served.target, "--reflect-protocol", protocol, "--list-services", f"http://{served.target}")
+    assert out.returncode == 0, out.stderr
+    assert REFLECTION_SERVICES <= set(out.stdout.split())
+    # --list-methods resolves every listed service's descriptor through the same protocol
+    out = buf_curl(served.target, "--reflect-protocol", protocol, "--list-methods", f"http://{served.target}")
+    assert out.returncode == 0, out.stderr
+    methods = set(out.stdout.split())
+    assert {"grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            "grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+            "pagoda.v1.GenerationService/Generate"} <= methods
+    # a call whose schema comes from this reflection protocol alone
+    out = buf_curl(served.target, "--reflect-protocol", protocol,
+                   f"http://{served.target}/pagoda.v1.GenerationService/Tokenize", data={"text": "Hi"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["tokenIds"][-2:] == [72, 105]
 
 
 def test_buf_curl_health(served):

@@ -202,7 +202,7 @@ def test_api_key_from_the_environment_and_the_cli(certs, tmp_path):
         assert "mutual TLS, API key required" in proc.output()
         assert KEY not in proc.output()
         out = pagoda("health", "--target", proc.target, "--tls-ca", str(tmp_path / "missing.pem"))
-        assert out.returncode == 1 and "missing.pem" in out.stderr
+        assert out.returncode == 2 and "missing.pem" in out.stderr  # a usage error: the flag names a missing file
     finally:
         proc.kill()
 

@@ -1,0 +1,238 @@
+"""The `pagoda` command line's answers to a user's mistakes (one line naming the flag and the fix:
+exit 2 for a usage error, 1 for a failed call) and its prompt sources, -v report, --wait and
+--version. Mostly pagoda.client.cli.main in process against an in-process server on a tiny model."""
+import importlib.metadata
+import socket
+import subprocess
+import threading
+
+import pytest
+
+from grpc_fixtures import REPO, InProcessServer, engine_config, pagoda_command, tiny_checkpoint
+from pagoda.client.cli import main
+from pagoda.client.client import Client
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = ["--temperature", "0", "--max-tokens", "3", "--ignore-eos"]
+
+
+@pytest.fixture(scope="module")
+def srv():
+    server = InProcessServer.for_config(engine_config(tiny_checkpoint(), num_kv_blocks=64)).wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with Client(srv.target, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def closed_port():
+    """A local port nothing listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(capsys, *argv):
+    """main(argv) -> (exit status, stdout, stderr); an argparse exit counts as its status."""
+    try:
+        status = main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def usage_error(capsys, *argv) -> str:
+    """The error line of a usage error: exit 2, after the subcommand's usage."""
+    status, out, err = run(capsys, *argv)
+    assert status == 2, (status, out, err)
+    usage, line = err.splitlines()[0], err.splitlines()[-1]
+    assert usage.startswith(f"usage: pagoda {argv[0]}"), err
+    return line
+
+
+def one_line(err: str) -> str:
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    return err.rstrip("\n")
+
+
+def test_token_ids_must_be_integers(capsys):
+    line = usage_error(capsys, "generate", "--token-ids", "a,b", "--target", "127.0.0.1:1")
+    assert line == "pagoda generate: error: --token-ids must be comma-separated integers >= 0, e.g. 1,2,3; got 'a,b'"
+
+
+@pytest.mark.parametrize("flag,value,rule", [
+    ("--max-tokens", "-5", "an integer >= 1"), ("--max-tokens", str(2**32), "at most 4294967295"),
+    ("--min-tokens", "-1", "an integer >= 0"), ("-n", "0", "an integer >= 1"),
+    ("--top-logprobs", "-1", "an integer >= 0"), ("--temperature", "-1", "a number >= 0"),
+    ("--temperature", "nan", "a number >= 0"), ("--top-p", "0", "a number in (0, 1]"),
+    ("--top-p", "1.5", "a number in (0, 1]"), ("--min-p", "2", "a number in [0, 1]"),
+    ("--top-k", "-2", "an integer >= -1"), ("--seed", "-1", "an integer >= 0"),
+    ("--repetition-penalty", "0", "a number > 0"), ("--presence-penalty", "3", "a number in [-2, 2]"),
+    ("--frequency-penalty", "x", "a number in [-2, 2]"), ("--stop-token-id", "-1", "an integer >= 0"),
+    ("--priority", "1.5", "an integer in [-2147483648, 2147483647]"), ("--timeout", "0", "a number > 0"),
+    ("--wait", "-1", "a number >= 0"),
+])
+def test_numeric_flag_out_of_range_names_it(capsys, flag, value, rule):
+    line = usage_error(capsys, "generate", "hi", flag, value, "--target", "127.0.0.1:1")
+    name = "-n/--n" if flag == "-n" else flag
+    assert line.startswith(f"pagoda generate: error: argument {name}: must be {rule}, got "), line
+
+
+def test_model_dependent_limits_are_left_to_the_server(capsys, srv):
+    status, _, err = run(capsys, "generate", "hi", "-n", "65", "--target", srv.target)
+    assert status == 1
+    assert one_line(err).startswith("pagoda generate: INVALID_ARGUMENT: sampling.n must be in [1, 64]")
+
+
+def test_health_of_an_unknown_service(capsys, srv):
+    status, out, err = run(capsys, "health", "--service", "nope", "--target", srv.target)
+    assert status == 1 and out == ""
+    assert one_line(err) == ("pagoda health: the server does not know the service 'nope' (try '' for the whole "
+                             "server or pagoda.v1.GenerationService)")
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["tokenize", "hi"], ["info"], ["health"]])
+def test_nothing_listening_says_how_to_fix_it(capsys, closed_port, argv):
+    target = f"127.0.0.1:{closed_port}"
+    status, _, err = run(capsys, *argv, "--target", target, "--timeout", "10")
+    assert status == 1
+    line = one_line(err)
+    assert line.startswith(f"pagoda {argv[0]}: cannot reach a pagoda server at {target} (UNAVAILABLE: "), line
+    assert line.endswith("is `pagoda serve` running? set --target or PAGODA_TARGET)"), line
+    assert "failed to connect to all addresses" not in line
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--bogus"], ["chat", "--bogus"], ["offline", "hi", "--bogus"],
+                                  ["tokenize", "a", "b"]])
+def test_unknown_argument_shows_the_subcommand_usage(capsys, argv):
+    line = usage_error(capsys, *argv)
+    assert line == f"pagoda {argv[0]}: error: unrecognized arguments: {argv[-1]}"
+
+
+def test_version(capsys):
+    status, out, _ = run(capsys, "--version")
+    assert status == 0 and out == f"pagoda {importlib.metadata.version('pagoda')}\n"
+
+
+def test_prompt_from_a_file(capsys, srv, client, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_text("Hello", encoding="utf-8")
+    status, out, err = run(capsys, "generate", "--file", str(path), *GREEDY, "--target", srv.target)
+    assert status == 0, err
+    assert out == client.generate("Hello", temperature=0, max_tokens=3, ignore_eos=True).text + "\n"
+    # longer than one command-line argument may be (128 KiB on Linux)
+    big = "ab" * 100_000
+    path.write_text(big, encoding="utf-8")
+    status, out, err = run(capsys, "tokenize", "--file", str(path), "--target", srv.target)
+    assert status == 0, err
+    assert out.split() == [str(t) for t in client.tokenize(big)]
+
+
+def test_prompt_from_stdin(srv, client):
+    out = subprocess.run(pagoda_command() + ["generate", "-", *GREEDY, "--target", srv.target], input="Hello",
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == client.generate("Hello", temperature=0, max_tokens=3, ignore_eos=True).text + "\n"
+
+
+ONE_PROMPT = "give the prompt as an argument, `-` to read stdin, or --file PATH (exactly one)"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["generate", "--file", "/nonexistent/p.txt"], "--file: cannot read '/nonexistent/p.txt': No such file or "
+                                                   "directory"),
+    (["generate"], ONE_PROMPT),
+    (["tokenize", "hi", "--file", "p.txt"], ONE_PROMPT),
+    (["generate", ""], "the prompt is empty (from the argument)"),
+    (["generate", "hi", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca: cannot read '/nonexistent/ca.pem': "
+                                                            "No such file or directory"),
+    (["generate", "hi", "--tls-client-cert", "c.pem"], "--tls-client-cert and --tls-client-key go together: give "
+                                                      "both or neither"),
+])
+def test_bad_prompt_or_file_names_the_flag(capsys, argv, line):
+    assert usage_error(capsys, *argv, "--target", "127.0.0.1:1") == f"pagoda {argv[0]}: error: {line}"
+
+
+def verbose_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("[")]
+
+
+def test_verbose_reports_every_choice_and_the_usage(capsys, srv, client):
+    kw = dict(temperature=1.0, seed=5, max_tokens=3, ignore_eos=True, n=2)
+    want = client.generate("Hello", **kw)
+    usage = (f"[usage: prompt {want.usage.prompt_tokens} tokens, completion 6, "
+             f"cached {want.usage.cached_prompt_tokens}]")
+    flags = ["--temperature", "1", "--seed", "5", "--max-tokens", "3", "--ignore-eos", "-n", "2", "-v",
+             "--target", srv.target]
+    expected = ["[completion 0: FINISH_REASON_LENGTH]", "[completion 1: FINISH_REASON_LENGTH]", usage]
+    for extra in ([], ["--stream"], ["--stream", "--json"]):
+        status, _, err = run(capsys, "generate", "Hello", *flags, *extra)
+        assert status == 0, err
+        assert verbose_lines(err) == expected, extra
+    status, out, err = run(capsys, "generate", "Hello", *GREEDY, "-v", "--stream", "--target", srv.target)
+    assert status == 0 and verbose_lines(err)[0] == "[completion 0: FINISH_REASON_LENGTH]"
+    assert verbose_lines(err)[1].startswith(f"[usage: prompt {want.usage.prompt_tokens} tokens, completion 3, ")
+
+
+@pytest.mark.parametrize("argv,status,line", [
+    (["hi", "--temperature", "-1"], 2, "pagoda offline: error: argument --temperature: must be a number >= 0, got -1"),
+    ([""], 2, "pagoda offline: error: the prompt is empty (from the argument)"),
+    (["hi", "--max-tokens", "600"], 2, "pagoda offline: error: --max-tokens (600) plus the prompt"),
+    (["hi", "--model", "{file}"], 1, "pagoda offline: model must be a checkpoint directory or a hub id, got the file"),
+    (["hi", "--model", "/nonexistent/model"], 1, "pagoda offline: model '/nonexistent/model' is neither a local "
+                                                 "directory nor a reachable hub id"),
+])
+def test_offline_bad_input_is_one_line(capsys, tmp_path, argv, status, line):
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"")
+    argv = [a.replace("{file}", str(file)) for a in argv]
+    if "--model" not in argv:
+        argv += ["--model", tiny_checkpoint(), "--dtype", "float32"]
+    got, _, err = run(capsys, "offline", *argv)
+    assert got == status, err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(line), err
+
+
+def test_wait_for_a_loading_server(capsys):
+    gate = threading.Event()
+    config = engine_config(tiny_checkpoint(), num_kv_blocks=32)
+
+    def factory():
+        from pagoda.engine import AsyncEngine
+
+        gate.wait(60)
+        return AsyncEngine(config)
+
+    server = InProcessServer(factory)
+    try:
+        argv = ["generate", "Hello", *GREEDY, "--target", server.target]
+        status, _, err = run(capsys, *argv)
+        assert status == 1 and one_line(err) == ("pagoda generate: UNAVAILABLE: server is loading the model; "
+                                                 "retry later (--wait SECONDS waits until it is SERVING)")
+        status, _, err = run(capsys, *argv, "--wait", "0.3")
+        assert status == 1 and one_line(err) == ("pagoda generate: --wait 0.3: server not SERVING after 0.3s "
+                                                 "(last health check: NOT_SERVING)")
+        threading.Timer(0.5, gate.set).start()
+        status, out, err = run(capsys, *argv, "--wait", "60")
+        assert status == 0 and len(out) > 1, err
+        assert run(capsys, "health", "--target", server.target, "--wait", "5")[:2] == (0, "SERVING\n")
+    finally:
+        gate.set()
+        server.wait_ready()
+        server.stop()
+
+
+def test_wait_for_nothing_listening(capsys, closed_port):
+    status, _, err = run(capsys, "info", "--target", f"127.0.0.1:{closed_port}", "--wait", "0.3")
+    assert status == 1
+    line = one_line(err)
+    assert line.startswith("pagoda info: --wait 0.3: server not SERVING after 0.3s (last health check: UNAVAILABLE); "
+                           f"cannot reach a pagoda server at 127.0.0.1:{closed_port}"), line
+
