@@ -20,12 +20,18 @@ python="${PYTHON:-python3}"
 
 "$python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "pagoda needs Python 3.10 or newer")'
 "$python" -m venv "$venv"
+# First pyproject.toml's build requirements (tests/test_hardening_docker.py keeps the two lists equal), then
+# pagoda built against that very torch: setup.py compiles the CPU ops at install time, and without build
+# isolation it neither downloads torch a second time nor builds against another version than it runs.
 # shellcheck disable=SC2086  # PIP_ARGS is a list of arguments
-"$venv/bin/python" -m pip install --no-cache-dir --disable-pip-version-check ${PIP_ARGS:-} "$src"
+"$venv/bin/python" -m pip install --no-cache-dir --disable-pip-version-check ${PIP_ARGS:-} \
+  "setuptools>=70.1" "torch>=2.4,<2.14" "ninja>=1.11"
+# shellcheck disable=SC2086
+"$venv/bin/python" -m pip install --no-cache-dir --disable-pip-version-check --no-build-isolation ${PIP_ARGS:-} "$src"
 
 # The compilers the server runs: Triton builds its CUDA kernel launchers with gcc (or $CC), and pagoda's
-# CPU ops (engine/layers/csrc) are built on first use by torch.utils.cpp_extension with c++ (or $CXX);
-# both need Python.h. Missing ones are a warning here (a GPU-only host needs no C++ compiler), an error
+# CPU ops (engine/layers/csrc), built by the install above with c++ (or $CXX), are rebuilt on first use
+# if the install could not (or torch changed since); both need Python.h. Missing ones are a warning here (a GPU-only host needs no C++ compiler), an error
 # with PAGODA_REQUIRE_TOOLCHAIN=1 (docker/Dockerfile sets it: the image must have them all).
 missing=()
 command -v "${CC:-gcc}" >/dev/null || missing+=("a C compiler (${CC:-gcc})")

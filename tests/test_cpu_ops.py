@@ -233,3 +233,32 @@ def test_each_torch_installation_builds_in_its_own_directory(tmp_path, monkeypat
     assert here == cpu_ops._build_directory("pagoda_cpu_ops_x", "flags") and here.startswith(str(tmp_path))
     monkeypatch.setattr(torch, "__file__", "/other/venv/lib/python3.11/site-packages/torch/__init__.py")
     assert cpu_ops._build_directory("pagoda_cpu_ops_x", "flags") != here
+
+
+def test_the_install_built_both_libraries_and_each_runs_here():
+    """setup.py compiled the ops for AVX-512 and for AVX2 machines (no compiling at start); each is
+    loaded by its CPU kind (ATEN_CPU_CAPABILITY makes torch report AVX2 on an AVX-512 machine) and
+    computes what torch computes. A machine with neither reports DEFAULT and compiles its own."""
+    import glob
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    here = os.path.dirname(cpu_ops.__file__)
+    tag = torch.__version__.replace(".", "_").replace("+", "_")
+    for kind in ("avx512", "avx2"):
+        assert glob.glob(os.path.join(here, f"_cpu_ops_{kind}_{tag}_*.so")), f"no {kind} library from the install"
+    kinds = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(capability, [])
+    code = ("import logging, torch; logging.basicConfig(level=logging.INFO)\n"
+            "from pagoda.engine.layers import cpu_ops\n"
+            "x, w = torch.randn(7, 96), torch.randn(96)\n"
+            "want = w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)\n"
+            "assert torch.allclose(cpu_ops.rms_norm(x, w, 1e-6), want, atol=1e-5)\n")
+    for kind in kinds:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "ATEN_CPU_CAPABILITY": kind})
+        assert out.returncode == 0, out.stderr
+        assert f"built at install, loaded from _cpu_ops_{kind}_" in out.stderr, out.stderr

@@ -2,11 +2,13 @@
 the residual add before it), SiLU-and-mul and rotary embedding, and the greedy argmax. They run
 in torch's intra-op threads.
 
-They are compiled on first use with torch's cpp_extension (about a minute on 2 cores, logged; once
-per torch installation, sources and CPU kind) into ~/.cache/pagoda/cpu_ops (or
-$TORCH_EXTENSIONS_DIR), one directory per torch installation, so that two virtualenvs on one machine
-neither rebuild each other's copy nor wait on each other's lock. They need a C++ compiler; where
-that fails the engine falls back to plain torch with a warning.
+They are compiled when pagoda is installed (setup.py: one library for AVX-512 machines, one for AVX2,
+chosen here by the CPU torch reports). Where no library matches (no compiler at install, another
+torch since, edited sources, a CPU with neither), they are compiled on first use with torch's
+cpp_extension (20-60 s on 2 cores, logged; once per torch installation, sources and CPU kind) into
+~/.cache/pagoda/cpu_ops (or $TORCH_EXTENSIONS_DIR), one directory per torch installation, so that
+two virtualenvs on one machine neither rebuild each other's copy nor wait on each other's lock.
+Without a C++ compiler the engine falls back to plain torch with a warning.
 """
 import glob
 import hashlib
@@ -29,12 +31,30 @@ _lock = threading.Lock()
 _state: dict = {}  # "ops" or "error", once tried
 
 
-def _build():
+def _load():
+    cap = torch.backends.cpu.get_cpu_capability()
+    # the digest covers the headers too: a library built from other sources is never used
+    digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in sorted(glob.glob(_CSRC + "/*")))).hexdigest()
+    installed = _installed_library(cap, digest)
+    if installed is not None:
+        torch.ops.load_library(installed)
+        log.info("CPU ops (%s) built at install, loaded from %s", cap, os.path.basename(installed))
+        return torch.ops.pagoda
+    log.info("no CPU ops built at install for this CPU (%s), torch %s and these sources (no C++ compiler "
+             "at install?); compiling them", cap, torch.__version__)
+    return _build(cap, digest)
+
+
+def _installed_library(cap: str, digest: str) -> str | None:
+    """setup.py's library for this CPU kind, torch version and sources, if the install built one."""
+    tag = f"{torch.__version__}-{digest[:16]}".replace(".", "_").replace("+", "_").replace("-", "_")
+    path = os.path.join(os.path.dirname(__file__), f"_cpu_ops_{cap.lower()}_{tag}.so")
+    return path if os.path.exists(path) else None
+
+
+def _build(cap: str, digest: str):
     from torch.utils.cpp_extension import load
 
-    cap = torch.backends.cpu.get_cpu_capability()
-    # torch rebuilds when the sources or flags change; the digest covers the headers too
-    digest = hashlib.sha256(b"".join(open(f, "rb").read() for f in sorted(glob.glob(_CSRC + "/*")))).hexdigest()
     flags = ["-O3", "-fopenmp", *_ARCH_FLAGS.get(cap, []), f"-DPAGODA_CSRC_DIGEST={digest[:16]}"]
     name = f"pagoda_cpu_ops_{cap.lower()}"
     directory = _build_directory(name, digest + " ".join(flags))
@@ -90,7 +110,7 @@ def ops():
     with _lock:
         if not _state:
             try:
-                _state["ops"] = _build()
+                _state["ops"] = _load()
             except Exception as e:  # compiler missing, build failure: the caller falls back or reports
                 log.debug("building the CPU ops failed", exc_info=True)
                 lines = str(e).strip().splitlines()

@@ -1,0 +1,41 @@
+"""pagoda's C++ CPU ops, compiled at install time (everything else is in pyproject.toml).
+
+Two builds of engine/layers/csrc, for AVX-512 and AVX2 machines; the engine loads the one that
+matches the CPU it runs on (engine/layers/cpu_ops.py). Each library's name carries the torch
+version it was built against and a digest of its sources, so a library that no longer matches
+(another torch, edited sources) is never loaded: the engine then compiles its own on first use.
+The extensions are optional: without a C++ compiler the install goes on, and the engine says so.
+"""
+import glob
+import hashlib
+import os
+
+from setuptools import setup
+
+CSRC = os.path.join("engine", "layers", "csrc")
+ARCH_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+              "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+def sources_digest() -> str:
+    """The same digest as engine/layers/cpu_ops.py computes at run time."""
+    return hashlib.sha256(b"".join(open(f, "rb").read() for f in sorted(glob.glob(CSRC + "/*")))).hexdigest()
+
+
+def cpu_ops():
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:  # no torch in the build environment: the engine compiles on first use
+        return [], {}
+    tag = f"{torch.__version__}-{sources_digest()[:16]}".replace(".", "_").replace("+", "_").replace("-", "_")
+    sources = [os.path.join(CSRC, "paged_attention_cpu.cpp"), os.path.join(CSRC, "layers_cpu.cpp")]
+    extensions = [CppExtension(f"pagoda.engine.layers._cpu_ops_{arch}_{tag}", sources,
+                               extra_compile_args=["-O3", "-fopenmp", *flags], extra_link_args=["-fopenmp"],
+                               optional=True)
+                  for arch, flags in ARCH_FLAGS.items()]
+    return extensions, {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
+
+
+ext_modules, cmdclass = cpu_ops()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
