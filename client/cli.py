@@ -51,11 +51,35 @@ def _ranged(kind, lo, hi=None, *, lo_open: bool = False, most: int | None = None
     return parse
 
 
-# Ranges that do not depend on the model; the server stays the judge of the rest (n, top-logprobs,
-# max-tokens against the context, ...).
-_MAX_TOKENS = _ranged(int, 1, most=UINT32)
-_TEMPERATURE = _ranged(float, 0)
-_SEED = _ranged(int, 0, most=UINT64)
+def _field(name: str, kind, most: int | None = None):
+    """An argparse type= function for a sampling flag: a finite `kind`, checked by the engine's own
+    rule for that field (pagoda.engine.validation, torch-free), so the CLI and the server agree; what
+    depends on the model (max-tokens against the context, ...) stays the server's to judge. `most`:
+    the largest value the flag's protobuf field holds."""
+    from pagoda.engine.errors import InvalidRequestError
+    from pagoda.engine.validation import FIELD_RULES
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        try:
+            FIELD_RULES[name](value)
+        except InvalidRequestError as e:
+            raise argparse.ArgumentTypeError(e.message) from None
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {text}")
+        return value
+    return parse
+
+
+_MAX_TOKENS = _field("max_tokens", int, most=UINT32)
+_TEMPERATURE = _field("temperature", float)
+_SEED = _field("seed", int, most=UINT64)
 
 
 def _clip(text: str, limit: int = 40) -> str:
@@ -255,15 +279,15 @@ def _add_prompt(p: argparse.ArgumentParser, metavar: str = "PROMPT", help: str =
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (unset: the server's default)")
     g.add_argument("--temperature", type=_TEMPERATURE, help="0 = greedy (server default 1.0)")
-    g.add_argument("--top-k", type=_ranged(int, -1, most=INT32), help="0 or -1: off")
-    g.add_argument("--top-p", type=_ranged(float, 0, 1, lo_open=True))
-    g.add_argument("--min-p", type=_ranged(float, 0, 1))
+    g.add_argument("--top-k", type=_field("top_k", int, most=INT32), help="0 or -1: off")
+    g.add_argument("--top-p", type=_field("top_p", float))
+    g.add_argument("--min-p", type=_field("min_p", float))
     g.add_argument("--seed", type=_SEED)
-    g.add_argument("--repetition-penalty", type=_ranged(float, 0, lo_open=True))
-    g.add_argument("--presence-penalty", type=_ranged(float, -2, 2))
-    g.add_argument("--frequency-penalty", type=_ranged(float, -2, 2))
+    g.add_argument("--repetition-penalty", type=_field("repetition_penalty", float))
+    g.add_argument("--presence-penalty", type=_field("presence_penalty", float))
+    g.add_argument("--frequency-penalty", type=_field("frequency_penalty", float))
     g.add_argument("--max-tokens", type=_MAX_TOKENS, help="server default: 256, capped by the context")
-    g.add_argument("--min-tokens", type=_ranged(int, 0, most=UINT32))
+    g.add_argument("--min-tokens", type=_field("min_tokens", int, most=UINT32))
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-id", action="append", type=_ranged(int, 0, most=UINT32), default=[],
                    dest="stop_token_ids", help="stop token id (repeatable)")
@@ -454,12 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("generate", _generate, " (PROMPT | - | --file PATH)", help="generate a completion from a server")
     _add_prompt(p, help="prompt text (or comma-separated token ids with --token-ids)")
     p.add_argument("--stream", action="store_true", help="print the completion as it is generated")
-    p.add_argument("-n", "--n", type=_ranged(int, 1, most=UINT32), default=None,
+    p.add_argument("-n", "--n", type=_field("n", int), default=None,
                    help="completions to generate (default 1; above 1 they are printed one after another when all "
                         "are done, or streamed with --json)")
     p.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--logprobs", action="store_true", help="ask for logprobs (shown with --json)")
-    p.add_argument("--top-logprobs", type=_ranged(int, 0, most=UINT32), default=None)
+    p.add_argument("--top-logprobs", type=_field("top_logprobs", int), default=None)
     p.add_argument("--json", action="store_true",
                    help="print the response as JSON (with --stream: one JSON line per message)")
     p.add_argument("-v", "--verbose", action="store_true",

@@ -73,25 +73,40 @@ def check_request_id(request_id) -> str:
 
 # ---- sampling ----
 
+def _top_p(value) -> None:
+    check_number("top_p", value)
+    if not 0.0 < value <= 1.0:
+        raise InvalidRequestError("top_p", f"must be in (0, 1], got {value!r}")
+
+
+def _repetition_penalty(value) -> None:
+    check_number("repetition_penalty", value)
+    if value <= 0:
+        raise InvalidRequestError("repetition_penalty", f"must be > 0, got {value!r}")
+
+
+# Each sampling field's own rule (None passes where the field is optional). check_sampling applies
+# them all; a client checking one option early (the CLI's flags) applies that option's rule.
+FIELD_RULES = {
+    "n": lambda v: check_int("n", v, lo=1, hi=MAX_N),
+    "temperature": lambda v: check_number("temperature", v, lo=0.0),
+    "top_p": _top_p,
+    "min_p": lambda v: check_number("min_p", v, lo=0.0, hi=1.0),
+    "top_k": lambda v: check_int("top_k", v, lo=-1, hint=" (0 or -1: off)"),
+    "repetition_penalty": _repetition_penalty,
+    "presence_penalty": lambda v: check_number("presence_penalty", v, lo=-2.0, hi=2.0),
+    "frequency_penalty": lambda v: check_number("frequency_penalty", v, lo=-2.0, hi=2.0),
+    "seed": lambda v: v is None or check_int("seed", v, lo=0, hi=MAX_SEED),
+    "max_tokens": lambda v: v is None or check_int("max_tokens", v, lo=1),
+    "min_tokens": lambda v: check_int("min_tokens", v, lo=0),
+    "top_logprobs": lambda v: check_int("top_logprobs", v, lo=0, hi=MAX_TOP_LOGPROBS),
+}
+
+
 def check_sampling(p) -> None:
     """The ranges of a SamplingParams' fields (called when one is built)."""
-    check_int("n", p.n, lo=1, hi=MAX_N)
-    check_number("temperature", p.temperature, lo=0.0)
-    check_number("top_p", p.top_p)
-    if not 0.0 < p.top_p <= 1.0:
-        raise InvalidRequestError("top_p", f"must be in (0, 1], got {p.top_p!r}")
-    check_number("min_p", p.min_p, lo=0.0, hi=1.0)
-    check_int("top_k", p.top_k, lo=-1, hint=" (0 or -1: off)")
-    check_number("repetition_penalty", p.repetition_penalty)
-    if p.repetition_penalty <= 0:
-        raise InvalidRequestError("repetition_penalty", f"must be > 0, got {p.repetition_penalty!r}")
-    check_number("presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0)
-    check_number("frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0)
-    if p.seed is not None:
-        check_int("seed", p.seed, lo=0, hi=MAX_SEED)
-    if p.max_tokens is not None:
-        check_int("max_tokens", p.max_tokens, lo=1)
-    check_int("min_tokens", p.min_tokens, lo=0)
+    for name, rule in FIELD_RULES.items():
+        rule(getattr(p, name))
     if p.max_tokens is not None and p.min_tokens > p.max_tokens:
         raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}")
     for i, s in enumerate(p.stop):
@@ -102,7 +117,6 @@ def check_sampling(p) -> None:
     for name in ("ignore_eos", "logprobs"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidRequestError(name, f"must be a bool, got {getattr(p, name)!r}")
-    check_int("top_logprobs", p.top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
 
 
 def check_number(field: str, value, lo=None, hi=None) -> None:

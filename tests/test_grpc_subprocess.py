@@ -90,9 +90,9 @@ def test_cli_chat_keeps_the_conversation(served):
 
 def test_cli_error_exit_status(served):
     # the server judges what depends on it (exit 1); the CLI refuses what it can check itself (exit 2)
-    out = pagoda("generate", "Hello", "-n", "65", "--target", served.target)
+    out = pagoda("generate", "Hello", "--max-tokens", "100000", "--target", served.target)
     assert out.returncode == 1
-    assert "INVALID_ARGUMENT" in out.stderr and "sampling.n" in out.stderr
+    assert "INVALID_ARGUMENT" in out.stderr and "stopping.max_tokens" in out.stderr
     out = pagoda("generate", "Hello", "--top-p", "1.5", "--target", served.target)
     assert out.returncode == 2 and "--top-p" in out.stderr
 
