@@ -183,7 +183,7 @@ def pagoda_command() -> list[str]:
 def spawned_server(path: str, args):
     """`pagoda serve` on a free loopback port, until SERVING; SIGTERM on the way out."""
     port = free_port()
-    cmd = pagoda_command() + ["serve", "--model", path, "--host", "127.0.0.1", "--port", str(port),
+    cmd = pagoda_command() + ["serve", "--model", path, "--host", "127.0.0.1", "--port", str(port), "--http-port", "off",
                               "--dtype", args.dtype, "--device", args.device, "--log-level", "WARNING"]
     if args.threads:
         cmd += ["--cpu-threads", str(args.threads)]

@@ -60,11 +60,16 @@ class AsyncEngine:
         QueueFullError, EngineClosedError) come on the first iteration; a failed step raises
         EngineError. Leaving the iteration early aborts the request."""
         req = prompt if isinstance(prompt, EngineRequest) else self.make_request(prompt, params, request_id, priority)
-        queue = self._admit(req)
-        abort = lambda: self.abort(req.request_id)  # noqa: E731
-        async with contextlib.aclosing(consume(req.request_id, queue, req.params.n, abort)) as outs:
+        async with contextlib.aclosing(self.open(req)) as outs:
             async for out in outs:  # closing this generator closes consume(), which aborts
                 yield out
+
+    def open(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """generate() for a checked request, admitted now: refusals raise here, before any output is
+        awaited (a protocol that must answer a refusal with its own status uses this). The iterator
+        must be run to its end or closed (aclose), which aborts the request."""
+        queue = self._admit(req)
+        return consume(req.request_id, queue, req.params.n, lambda: self.abort(req.request_id))
 
     def abort(self, request_id: str) -> None:
         if not self._closed:
@@ -139,9 +144,9 @@ class AsyncEngine:
         elif isinstance(report, CoreFailed):
             with self._lock:
                 self._closed = True
-            self._fail_pending(report.error)
-            if self.on_failure is not None:
+            if self.on_failure is not None:  # first: by the time a caller sees the error, the owner knows
                 self.on_failure(report.error)
+            self._fail_pending(report.error)
 
     def _settle(self, out: RequestOutput) -> tuple | None:  # under self._lock
         """Book one output against its request; (event loop, queue) to hand it to, or None when

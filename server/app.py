@@ -15,7 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagoda.server.options import ServerOptions
-from pagoda.server.servicer import DRAINING, SERVING, SERVICE_NAME, GenerationServicer, ServerState, add_servicer_to_server
+from pagoda.server.servicer import SERVICE_NAME, GenerationServicer, add_servicer_to_server
+from pagoda.server.state import DRAINING, SERVING, ServerState
 
 log = logging.getLogger("pagoda.server")
 
@@ -104,7 +105,10 @@ class PagodaServer:
         from pagoda.server.metrics import Metrics
 
         self.engine_factory = engine_factory
+        self.host = host
         self.address = f"{host}:{port}"
+        self.http_port: int | None = None
+        self._http = None
         self.options = options = options or ServerOptions()
         self.state = ServerState(options)
         self.metrics = self.state.metrics = Metrics(self.state)
@@ -140,6 +144,13 @@ class PagodaServer:
         await self.server.start()
         o = self.options
         security = ("mutual TLS" if o.tls_client_ca else "TLS") if credentials is not None else "plaintext"
+        if o.http_port is not None:
+            from pagoda.server import http
+
+            self._http = http.start(self.state, self.host, o.http_port)
+            self.http_port = self._http.port
+            log.info("HTTP (OpenAI-compatible API) on %s://%s:%d/v1 (port %d)", "https" if credentials else "http",
+                     self.host, self.http_port, self.http_port)
         log.info("listening on %s (port %d); %s%s; loading the model", self.address, self.port, security,
                  ", API key required" if o.api_key else "")
         self._load_task = asyncio.create_task(self._load())
@@ -208,6 +219,8 @@ class PagodaServer:
         except asyncio.TimeoutError:
             log.warning("grace period over with %d call(s) still in flight; cancelling them", self.state.inflight)
         await self.server.stop(grace=0.5)
+        if self._http is not None:
+            await self._http.stop()
         self.metrics.stop_http()
         engine = self.state.engine
         if engine is not None:

@@ -16,7 +16,7 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 UNAUTHENTICATED_MESSAGE = "missing or invalid API key: send the metadata 'authorization: Bearer <key>'"
 
 
-def _digest(value: str | bytes) -> bytes:
+def key_digest(value: str | bytes) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value).digest()
 
 
@@ -35,7 +35,7 @@ def bearer_token(metadata) -> str | bytes | None:
 
 
 def check_key(token, expected_digest: bytes) -> bool:
-    return token is not None and hmac.compare_digest(_digest(token), expected_digest)
+    return token is not None and hmac.compare_digest(key_digest(token), expected_digest)
 
 
 async def _deny_unary(request, context):
@@ -49,7 +49,7 @@ async def _deny_stream(request, context):
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str, metrics=None):
-        self._digest = _digest(api_key)
+        self._digest = key_digest(api_key)
         self._metrics = metrics
         # No request deserializer: an unauthenticated request's bytes are never parsed.
         self._deny = {

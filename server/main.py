@@ -19,12 +19,25 @@ import signal
 log = logging.getLogger("pagoda.server")
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # where OpenAI-compatible clients and tools look first (vLLM's, SGLang's default too)
 DEFAULT_GRACE_S = 30.0
 
 
 def _env(name: str, default=None):
     """argparse default from PAGODA_<NAME>; argparse applies the option's type to string defaults."""
     return os.environ.get(f"PAGODA_{name}", default)
+
+
+def _http_port(text: str) -> int | None:
+    if text.strip().lower() in ("off", "none", ""):
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535] (0: any free one) or off, got {text!r}")
+    return port
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +50,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--host", "HOST", "address to listen on (default: [::], all interfaces)", default="[::]")
     opt("--port", "PORT", f"port to listen on, 0 = any free one (default: {DEFAULT_PORT})", type=int,
         default=DEFAULT_PORT)
+    opt("--http-port", "HTTP_PORT", f"port of the OpenAI-compatible HTTP API on the same host, 0 = any free "
+        f"one, off = none (default: {DEFAULT_HTTP_PORT})", type=_http_port, default=str(DEFAULT_HTTP_PORT))
     opt("--dtype", "DTYPE", "weights/compute dtype (default: auto)", default="auto",
         choices=["auto", "float32", "bfloat16", "float16"])
     opt("--device", "DEVICE", "cpu, cuda or auto (default: auto)", default="auto", choices=["auto", "cpu", "cuda"])
@@ -142,6 +157,7 @@ def server_options(args: argparse.Namespace):
         tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None,
         api_key=args.api_key or None,
+        http_port=getattr(args, "http_port", None),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     )

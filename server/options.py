@@ -41,6 +41,8 @@ class ServerOptions:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate signed by it (mutual TLS)
     api_key: str | None = field(default=None, repr=False)
+    # the OpenAI-compatible HTTP API (server/http.py), on --host: None off, 0 any free port
+    http_port: int | None = None
     # observability
     metrics_port: int = 0  # 0: no metrics endpoint; -1: any free port (PagodaServer.metrics_port)
     metrics_host: str = "0.0.0.0"
@@ -65,6 +67,8 @@ class ServerOptions:
         positive("keepalive_time", integer=False)
         positive("keepalive_timeout", integer=False)
         positive("keepalive_min_ping_interval", integer=False, zero=True)
+        if self.http_port is not None and (not isinstance(self.http_port, int) or not 0 <= self.http_port <= 65535):
+            raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port!r}")
         if self.metrics_port is None:
             self.metrics_port = 0
         # -1 (not a flag value: for tests and embedding) binds any free port

@@ -21,11 +21,10 @@ import time
 
 import grpc
 
-from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineError, InvalidRequestError,
-                                  QueueFullError)
+from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.validation import MAX_REQUEST_ID_LEN, new_request_id
 from pagoda.server import convert
-from pagoda.server.options import ServerOptions
+from pagoda.server.state import ServerError, ServerState, status_for
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 
@@ -33,44 +32,8 @@ log = logging.getLogger("pagoda.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # "pagoda.v1.GenerationService"
 
-LOADING, SERVING, DRAINING = "loading", "serving", "draining"
 REQUEST_ID_HEADER = "x-request-id"
-RETRY_HINT = "retry after a short backoff"
 LARGE_PROMPT_CHARS = 4096  # text/messages longer than this are tokenized in a thread, off the event loop
-
-
-class ServerState:
-    """What the handlers share with server startup/shutdown: the engine once loaded, the phase, the
-    calls in flight (draining waits for them), the options and limits, the metrics."""
-
-    def __init__(self, options: ServerOptions | None = None, metrics=None):
-        self.engine = None
-        self.phase = LOADING
-        self.inflight = 0
-        self.idle = asyncio.Event()
-        self.idle.set()
-        self.num_generations = 0  # Generate/GenerateStream calls in flight
-        self.options = options or ServerOptions()
-        self.limits = self.options.request_limits()
-        self.metrics = metrics  # server.metrics.Metrics, or None
-
-    def enter(self):
-        self.inflight += 1
-        self.idle.clear()
-
-    def leave(self):
-        self.inflight -= 1
-        if self.inflight == 0:
-            self.idle.set()
-
-
-class ServerError(Exception):
-    """A status the server decided on (code, message)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class Undecodable:
@@ -103,26 +66,6 @@ def add_servicer_to_server(servicer, server) -> None:
                                 response_serializer=resp_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
-
-
-def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
-    """The one place exceptions become (status code, message)."""
-    if isinstance(e, ServerError):
-        return e.code, e.message
-    if isinstance(e, DuplicateRequestError):
-        return grpc.StatusCode.ALREADY_EXISTS, str(e)
-    if isinstance(e, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, QueueFullError):
-        msg = str(e) or "the waiting queue is full"
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{msg.removesuffix('; retry later')}; {RETRY_HINT}"
-    if isinstance(e, EngineClosedError):
-        return grpc.StatusCode.UNAVAILABLE, str(e) or "the engine is shut down"
-    if isinstance(e, EngineError):
-        log.error("engine error: %s", e)
-        return grpc.StatusCode.INTERNAL, f"engine error: {e}"
-    log.error("unexpected error", exc_info=e)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
 def _header_safe(value: str) -> bool:
@@ -161,28 +104,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         for generations), yields the engine, maps exceptions to status codes, counts the call in the
         metrics and finishes its request record. context.abort raises, which ends the handler."""
         state, metrics = self.state, self.state.metrics
-        code, entered = grpc.StatusCode.OK, False
-        generation = record is not None
+        code = grpc.StatusCode.OK
         try:
-            if state.phase != SERVING or state.engine is None:
-                why = "loading the model" if state.phase == LOADING else "shutting down"
-                raise ServerError(grpc.StatusCode.UNAVAILABLE, f"server is {why}; retry later")
             if isinstance(request, Undecodable):
                 raise InvalidRequestError("request", f"is not a valid {request.message_type} message "
                                                       f"({type(request.error).__name__}: {request.error}); strings "
                                                       f"must be UTF-8")
-            if generation:
-                limit = state.options.max_concurrent_streams
-                if state.num_generations >= limit:
-                    raise ServerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"too many generation calls in flight (this server's limit is {limit}, "
-                                      f"--max-concurrent-streams); {RETRY_HINT}")
-                state.num_generations += 1
-                if metrics is not None:
-                    metrics.inflight.inc()
-            state.enter()
-            entered = True
-            yield state.engine
+            with state.admit(generation=record is not None) as engine:
+                yield engine
         except asyncio.CancelledError:
             remaining = context.time_remaining()
             code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
@@ -195,15 +124,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             code, message = status_for(e)
             await context.abort(code, message)
         finally:
-            if entered:
-                state.leave()
-                if generation:
-                    state.num_generations -= 1
-                    if metrics is not None:
-                        metrics.inflight.dec()
             if metrics is not None:
                 metrics.requests.labels(method, code.name).inc()
-            if generation:
+            if record is not None:
                 record.finish(code.name, metrics)
 
     async def _generate(self, engine, request, context, record):

@@ -64,9 +64,10 @@ def require_node_modules() -> None:
 
 class InProcessServer:
     """A server.app.PagodaServer on its own asyncio loop in a background thread, listening on
-    127.0.0.1 (any free port). `engine_factory` builds the (unstarted) AsyncEngine."""
+    127.0.0.1 (any free port). `engine_factory` builds the (unstarted) AsyncEngine; `options` are its
+    ServerOptions (http_port=0: the HTTP API too, on any free port)."""
 
-    def __init__(self, engine_factory):
+    def __init__(self, engine_factory, options=None):
         from pagoda.server.app import PagodaServer
 
         self.loop = asyncio.new_event_loop()
@@ -74,17 +75,21 @@ class InProcessServer:
         self.thread.start()
 
         async def make():
-            return PagodaServer(engine_factory, host="127.0.0.1", port=0)
+            return PagodaServer(engine_factory, host="127.0.0.1", port=0, options=options)
 
         self.server = self.call(make())
         self.port = self.call(self.server.start())
         self.target = f"127.0.0.1:{self.port}"
 
     @classmethod
-    def for_config(cls, config) -> "InProcessServer":
+    def for_config(cls, config, options=None) -> "InProcessServer":
         from pagoda.engine import AsyncEngine
 
-        return cls(lambda: AsyncEngine(config))
+        return cls(lambda: AsyncEngine(config), options)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.http_port}"
 
     def call(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -161,16 +166,18 @@ def pagoda_command() -> list[str]:
 
 
 class ServeProcess:
-    """`pagoda serve ... --host 127.0.0.1 --port 0` in a subprocess; the port is read from its log."""
+    """`pagoda serve ... --host 127.0.0.1 --port 0 --http-port 0` in a subprocess; the ports are read from
+    its log (the HTTP port before the gRPC one)."""
 
     def __init__(self, *args: str, env: dict | None = None, timeout: float = 120):
-        cmd = pagoda_command() + ["serve", "--host", "127.0.0.1", "--port", "0", *args]
+        cmd = pagoda_command() + ["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", *args]
         self.proc = subprocess.Popen(cmd, cwd=str(REPO), env={**os.environ, **(env or {})},
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         self.log: list[str] = []
         self._port_seen = threading.Event()
         self.port: int | None = None
+        self.http_port: int | None = None
         threading.Thread(target=self._read, daemon=True).start()
         if not self._port_seen.wait(timeout) or self.port is None:
             self.kill()
@@ -180,6 +187,9 @@ class ServeProcess:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.log.append(line)
+            h = re.search(r"HTTP \(OpenAI-compatible API\) on \S+ \(port (\d+)\)", line)
+            if h:
+                self.http_port = int(h.group(1))
             m = re.search(r"listening on \S+ \(port (\d+)\)", line)
             if m and self.port is None:
                 self.port = int(m.group(1))

@@ -2,7 +2,6 @@
 certificates made on the fly, process memory."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime
 import ipaddress
@@ -17,22 +16,6 @@ from grpc_fixtures import InProcessServer, engine_config, tiny_checkpoint, wait_
 
 class OptionsServer(InProcessServer):
     """grpc_fixtures.InProcessServer with server.options.ServerOptions (limits, TLS, auth, metrics)."""
-
-    def __init__(self, engine_factory, options=None):
-        import threading
-
-        from pagoda.server.app import PagodaServer
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-server", daemon=True)
-        self.thread.start()
-
-        async def make():
-            return PagodaServer(engine_factory, host="127.0.0.1", port=0, options=options)
-
-        self.server = self.call(make())
-        self.port = self.call(self.server.start())
-        self.target = f"127.0.0.1:{self.port}"
 
     @classmethod
     def start(cls, options=None, model: str | None = None, **engine_kw) -> "OptionsServer":

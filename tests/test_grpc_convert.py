@@ -11,7 +11,7 @@ from pagoda.engine.outputs import ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.validation import ModelLimits, make_request
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.server import convert
-from pagoda.server.servicer import status_for
+from pagoda.server.state import status_for
 
 pytestmark = pytest.mark.timeout(60)
 

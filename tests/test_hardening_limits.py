@@ -116,7 +116,7 @@ def test_bad_limit_values_are_refused(monkeypatch, argv, message):
 def test_bad_flag_exits_1_with_the_reason():
     from grpc_fixtures import pagoda_command
 
-    out = subprocess.run(pagoda_command() + ["serve", "--port", "0", "--max-message-bytes", "0"],
+    out = subprocess.run(pagoda_command() + ["serve", "--port", "0", "--http-port", "off", "--max-message-bytes", "0"],
                          capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert out.returncode == 1 and "max_message_bytes" in out.stderr
 

@@ -249,7 +249,7 @@ def test_pickle_only_checkpoint_fails_the_server_load(tmp_path):
     os.remove(os.path.join(ckpt, "model.safetensors"))
     with open(os.path.join(ckpt, "pytorch_model.bin"), "wb") as f:
         pickle.dump({"x": 1}, f)
-    out = subprocess.run(pagoda_command() + ["serve", "--port", "0", "--host", "127.0.0.1", "--model", ckpt,
+    out = subprocess.run(pagoda_command() + ["serve", "--port", "0", "--http-port", "off", "--host", "127.0.0.1", "--model", ckpt,
                                              "--device", "cpu", "--num-kv-blocks", "8"],
                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert out.returncode == 1 and "safetensors" in out.stderr

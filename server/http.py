@@ -1,0 +1,567 @@
+"""The OpenAI-compatible HTTP door, beside gRPC: the same engine, the same front-end and the same
+asyncio loop. POST /v1/completions and /v1/chat/completions (whole responses, or Server-Sent Events
+with `stream`), GET /v1/models, /health and /stats.
+
+As server/convert.py does for gRPC, a request is converted at the edge and judged by the engine's own
+validation: an InvalidRequestError names the field, returned as OpenAI's `param`. Statuses come from
+server/state.py's one map (status_for, HTTP_STATUS). An unknown request field is a 400 naming it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Literal
+
+import grpc
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.validation import new_request_id
+from pagoda.server import convert
+from pagoda.server.auth import check_key, key_digest
+from pagoda.server.state import HTTP_STATUS, SERVING, ServerError, ServerState, status_for
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable", 504: "timeout"}
+
+
+# ---- requests (OpenAI's fields, vLLM's names for the extras) ----
+
+class _Fields(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Fields):
+    include_usage: bool = False
+
+
+class _Sampling(_Fields):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, not used
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+    # accepted at their defaults only, until the engine has them (a 400 says so otherwise)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TextPart(_Fields):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Fields):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+_NOT_YET = {"echo": False, "skip_special_tokens": True, "include_stop_str_in_output": False, "logit_bias": None}
+
+
+def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams; InvalidRequestError (its field) for a bad value."""
+    for name, default in _NOT_YET.items():
+        if getattr(body, name, default) not in (default, {}):
+            raise InvalidRequestError(name, "is not supported by this server yet")
+    kw = {name: getattr(body, name) for name in ("n", "temperature", "top_p", "seed", "presence_penalty",
+                                                  "frequency_penalty", "top_k", "min_p", "repetition_penalty",
+                                                  "min_tokens") if getattr(body, name) is not None}
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    return SamplingParams(**kw, max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
+                          ignore_eos=body.ignore_eos, logprobs=logprobs is not None,
+                          top_logprobs=logprobs or 0)
+
+
+def _prompts(prompt) -> list:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    return list(prompt)
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    if not messages:
+        raise InvalidRequestError("messages", "must not be empty")
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "".join(part.text for part in m.content)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+# ---- responses ----
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> Response:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _error_for(e: Exception) -> Response:
+    code, message = status_for(e)
+    status = HTTP_STATUS.get(code, 500)
+    param = e.field if isinstance(e, InvalidRequestError) else None
+    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    return _error(status, message, param, headers)
+
+
+def _json(body: dict, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+class _Choice:
+    """One choice's text, tokens and logprobs, gathered from its outputs."""
+
+    def __init__(self):
+        self.text, self.token_ids, self.logprobs, self.last = [], [], [], None
+
+    def add(self, out) -> None:
+        self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs or [])
+        self.last = out
+
+
+def _finish_reason(out) -> str | None:
+    return None if out is None or not out.finished else ("length" if out.finish_reason == "length" else "stop")
+
+
+class HttpDoor:
+    """The routes, over the server's shared state."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self._key = key_digest(state.options.api_key) if state.options.api_key else None
+        self._vocab = None
+        self.app = FastAPI(title="pagoda", openapi_url=None, docs_url=None, redoc_url=None)
+        self.app.add_exception_handler(RequestValidationError, self._invalid_body)
+        self.app.add_exception_handler(StarletteHTTPException, self._no_route)
+        self.app.middleware("http")(self._guard)
+        self.app.post("/v1/completions")(self.completions)
+        self.app.post("/v1/chat/completions")(self.chat_completions)
+        self.app.get("/v1/models")(self.models)
+        self.app.get("/health")(self.health)
+        self.app.get("/stats")(self.stats)
+
+    # ---- cross-cutting ----
+
+    async def _guard(self, request: Request, call_next):
+        """API key (all but /health) and request size, before a body is read."""
+        if self._key is not None and request.url.path != "/health":
+            auth = request.headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else None
+            if not check_key(token, self._key):
+                return _error(401, "a valid API key is required: Authorization: Bearer KEY")
+        size = request.headers.get("content-length")
+        limit = self.state.options.max_message_bytes
+        if size is not None and size.isdigit() and int(size) > limit:
+            return _error(413, f"the request body is {size} bytes, more than this server's {limit} "
+                               f"(--max-message-bytes)")
+        return await call_next(request)
+
+    async def _no_route(self, request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code in (404, 405):
+            return _error(exc.status_code, f"no route {request.method} {request.url.path}")
+        return _error(exc.status_code, str(exc.detail))
+
+    async def _invalid_body(self, request: Request, exc: RequestValidationError) -> Response:
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "extra_forbidden":
+            return _error(400, f"unknown field {param!r}", param)
+        if err.get("type") == "json_invalid":
+            return _error(400, "the request body is not valid JSON")
+        return _error(400, f"{param or 'body'}: {err.get('msg', 'invalid')}", param)
+
+    def _check_model(self, name: str | None) -> None:
+        served = self._model_id()
+        if name and name != served:
+            raise ServerError(grpc.StatusCode.NOT_FOUND, f"model {name!r} does not exist; this server serves "
+                                                         f"{served!r} (GET /v1/models)")
+
+    def _model_id(self) -> str:
+        engine = self.state.engine
+        return engine.model_info.model_id if engine is not None else ""
+
+    # ---- simple routes ----
+
+    async def health(self) -> Response:
+        if self.state.phase == SERVING and self.state.engine is not None:
+            return _json({"status": "serving"})
+        return _json({"status": self.state.phase}, 503)
+
+    async def models(self) -> Response:
+        try:
+            with self.state.admit(generation=False) as engine:
+                info = engine.model_info
+                loaded = int(time.time() - engine.stats().uptime_s)
+                return _json({"object": "list", "data": [{"id": info.model_id, "object": "model", "created": loaded,
+                                                          "owned_by": "pagoda", "max_model_len": info.max_model_len}]})
+        except Exception as e:
+            return _error_for(e)
+
+    async def stats(self) -> Response:
+        try:
+            with self.state.admit(generation=False) as engine:
+                msg = convert.stats(engine.stats())  # GetStats' figures, under its names
+                return _json({f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields})
+        except Exception as e:
+            return _error_for(e)
+
+    # ---- generation ----
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        def make(engine, rid):
+            params = _params(body, body.max_tokens, body.logprobs)
+            return [engine.make_request(p, params, f"{rid}-{i}", body.priority, limits=self.state.limits)
+                    for i, p in enumerate(_prompts(body.prompt))]
+        return await self._generate(body, request, make, chat=False)
+
+    async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
+        def make(engine, rid):
+            if body.max_tokens is not None and body.max_completion_tokens is not None:
+                raise InvalidRequestError("max_completion_tokens", "and max_tokens must not both be set")
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            if body.top_logprobs and not body.logprobs:
+                raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+            params = _params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+            try:
+                ids = engine.apply_chat_template(_chat_messages(body.messages))
+            except InvalidRequestError:
+                raise
+            except Exception as e:  # no template, a role the template refuses, ...
+                raise InvalidRequestError("messages", f"cannot be rendered with the model's chat template: "
+                                                      f"{e}") from e
+            return [engine.make_request(ids, params, f"{rid}-0", body.priority, limits=self.state.limits)]
+        return await self._generate(body, request, make, chat=True)
+
+    async def _generate(self, body: _Sampling, request: Request, make, chat: bool) -> Response:
+        """Admits the call, checks and starts every prompt's request (a refusal is an error response
+        with its status), then answers whole or as an event stream."""
+        from pagoda.server.metrics import RequestRecord
+
+        path = request.url.path
+        record = RequestRecord(f"POST {path}", peer=request.client.host if request.client else "")
+        stack = contextlib.AsyncExitStack()
+        code = grpc.StatusCode.OK
+        try:
+            engine = stack.enter_context(self.state.admit(generation=True))
+            self._check_model(body.model)
+            rid = ("chatcmpl-" if chat else "cmpl-") + new_request_id()
+            record.request_id = rid
+            reqs = await asyncio.to_thread(make, engine, rid) if _big(body) else make(engine, rid)
+            streams = []
+            for r in reqs:  # refusals (queue full, ...) raise here, before any answer is sent
+                streams.append(engine.open(r))
+                stack.push_async_callback(streams[-1].aclose)
+            record.submitted()
+        except Exception as e:
+            code = status_for(e)[0]
+            self._finish(record, code)
+            await stack.aclose()
+            return _error_for(e)
+        meta = {"id": rid, "created": int(time.time()), "model": self._model_id(), "n": body.n, "chat": chat}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._events(streams, meta, include_usage, record, stack)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        try:
+            response = await self._whole(streams, meta, request, record)
+            response.headers["X-Request-Id"] = rid
+            return response
+        except Exception as e:
+            code = status_for(e)[0]
+            return _error_for(e)
+        finally:
+            self._finish(record, code)
+            await stack.aclose()
+
+    def _finish(self, record, code: grpc.StatusCode) -> None:
+        metrics = self.state.metrics
+        if metrics is not None:
+            metrics.requests.labels(record.method, code.name).inc()
+        record.finish(code.name, metrics)
+
+    async def _whole(self, streams, meta, request: Request, record) -> Response:
+        """Every choice to its end; a client that disconnects first aborts them all."""
+        async def gather():
+            choices: dict[int, _Choice] = {}
+            async for i, out in _merged(streams):
+                record.output(out)
+                choices.setdefault(i * meta["n"] + out.index, _Choice()).add(out)
+            return choices
+
+        work = asyncio.ensure_future(gather())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # the client left
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            raise ServerError(grpc.StatusCode.CANCELLED, "the client disconnected")
+        choices = work.result()
+        body = {"id": meta["id"], "object": "chat.completion" if meta["chat"] else "text_completion",
+                "created": meta["created"], "model": meta["model"],
+                "choices": [self._choice(k, c, meta["chat"]) for k, c in sorted(choices.items())],
+                "usage": _usage_of(choices.values(), meta["n"])}
+        return _json(body)
+
+    def _choice(self, index: int, c: _Choice, chat: bool) -> dict:
+        text, finish = "".join(c.text), _finish_reason(c.last)
+        if chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(c.logprobs) if c.last.logprobs is not None else None,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "finish_reason": finish,
+                "logprobs": self._completion_logprobs(c.logprobs) if c.last.logprobs is not None else None}
+
+    async def _events(self, streams, meta, include_usage: bool, record, stack):
+        """The SSE stream: a chunk per output (chat: the role first), the usage chunk if asked, [DONE]."""
+        chat, code = meta["chat"], grpc.StatusCode.OK
+        last: dict[int, object] = {}
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": meta["id"], "object": kind, "created": meta["created"], "model": meta["model"]}
+        try:
+            if chat:
+                for k in range(len(streams) * meta["n"]):
+                    yield _event({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}]})
+            async for i, out in _merged(streams):
+                record.output(out)
+                k = i * meta["n"] + out.index
+                last[k] = out
+                if not (out.text or out.finished or out.token_ids):
+                    continue
+                yield _event({**head, "choices": [self._delta(k, out, chat)]})
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": _usage_of(
+                    [_Ended(o) for o in last.values()], meta["n"])})
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as e:
+            code, message = status_for(e)
+            yield _event({"error": {"message": message, "type": "server_error", "param": None,
+                                    "code": HTTP_STATUS.get(code, 500)}})
+        finally:
+            self._finish(record, code)
+            await stack.aclose()  # closes every prompt's stream (aborting what has not finished) and the call
+        yield b"data: [DONE]\n\n"
+
+    def _delta(self, k: int, out, chat: bool) -> dict:
+        finish = _finish_reason(out)
+        if chat:
+            return {"index": k, "delta": {"content": out.text} if out.text else {},
+                    "logprobs": self._chat_logprobs(out.logprobs) if out.logprobs is not None else None,
+                    "finish_reason": finish}
+        return {"index": k, "text": out.text, "finish_reason": finish,
+                "logprobs": self._completion_logprobs(out.logprobs) if out.logprobs is not None else None}
+
+    # ---- logprobs, with each token's text from the bytes it spells ----
+
+    def _piece(self, token_id: int) -> bytes:
+        if self._vocab is None:
+            from pagoda.engine.detokenizer import TokenVocab
+
+            engine = self.state.engine
+            self._vocab = TokenVocab(engine.tokenizer, engine.model_info.vocab_size)
+        pieces = self._vocab.pieces
+        return pieces[token_id] if token_id < len(pieces) else b""
+
+    def _token(self, token_id: int) -> str:
+        return self._piece(token_id).decode("utf-8", "replace")
+
+    def _chat_logprobs(self, items) -> dict:
+        def entry(token_id, logprob):
+            piece = self._piece(token_id)
+            return {"token": piece.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(piece)}
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
+                            for lp in items]}
+
+    def _completion_logprobs(self, items) -> dict:
+        tokens = [self._token(lp.token_id) for lp in items]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items],
+                "top_logprobs": [{self._token(t): p for t, p in lp.top} for lp in items], "text_offset": offsets}
+
+
+class _Ended:
+    """A choice's last output, for _usage_of."""
+
+    def __init__(self, out):
+        self.last = out
+
+
+def _usage_of(choices, n: int) -> dict:
+    """OpenAI's usage: prompt tokens once per prompt, completion tokens of every choice."""
+    lasts = [c.last for c in choices if c.last is not None]
+    prompt = sum(o.num_prompt_tokens for o in lasts if o.index == 0)
+    cached = sum(o.num_cached_tokens for o in lasts if o.index == 0)
+    completion = sum(o.num_generated_tokens for o in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _event(chunk: dict) -> bytes:
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _big(body) -> bool:
+    """A prompt long enough that rendering and tokenizing it should leave the event loop."""
+    text = getattr(body, "prompt", None)
+    if isinstance(text, str):
+        return len(text) > 4096
+    if isinstance(text, list) and text and isinstance(text[0], str):
+        return sum(map(len, text)) > 4096
+    msgs = getattr(body, "messages", None) or []
+    return sum(len(m.content) if isinstance(m.content, str) else 64 for m in msgs) > 4096
+
+
+async def _merged(streams):
+    """(prompt index, output) from every prompt's stream, as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # before the streams themselves are closed
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (its request body has been read by then)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---- the server ----
+
+class _Uvicorn:
+    """uvicorn on a socket bound here (so a port in use fails at start, with the port named), inside
+    the server's own event loop; the server process keeps its own SIGTERM handling (drain)."""
+
+    def __init__(self, app, sock, options):
+        import ssl
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):  # pagoda serve drains on SIGTERM itself
+                yield
+
+        tls = {}
+        if options.tls_cert:
+            tls = dict(ssl_certfile=options.tls_cert, ssl_keyfile=options.tls_key)
+            if options.tls_client_ca:
+                tls.update(ssl_ca_certs=options.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=1,
+                                **tls)
+        self.server = Server(config)
+        self.port = sock.getsockname()[1]
+        self.task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.task, 10)
+
+
+def bind(host: str, port: int):
+    """A listening TCP socket on host:port ("[::]" or "::": every interface, IPv4 too)."""
+    import socket
+
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if family == socket.AF_INET and not host.replace(".", "").isdigit():  # a name: take what it resolves to
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen for HTTP on {host}:{port} (--http-port): {e.strerror}") from e
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def start(state: ServerState, host: str, port: int) -> _Uvicorn:
+    return _Uvicorn(HttpDoor(state).app, bind(host, port), state.options)

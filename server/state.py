@@ -1,0 +1,98 @@
+"""What both doors (gRPC, server/servicer.py; HTTP, server/http.py) share: the server's phase, the
+admission of a call, and the one map from exceptions to a status (a gRPC code; its HTTP status)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineError, InvalidRequestError,
+                                  QueueFullError)
+from pagoda.server.options import ServerOptions
+
+log = logging.getLogger("pagoda.server")
+
+LOADING, SERVING, DRAINING = "loading", "serving", "draining"
+RETRY_HINT = "retry after a short backoff"
+
+HTTP_STATUS = {
+    grpc.StatusCode.OK: 200, grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class ServerError(Exception):
+    """A status the server decided on (code, message)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The one place exceptions become (status code, message); HTTP_STATUS gives the HTTP status."""
+    if isinstance(e, ServerError):
+        return e.code, e.message
+    if isinstance(e, DuplicateRequestError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(e)
+    if isinstance(e, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, QueueFullError):
+        msg = str(e) or "the waiting queue is full"
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{msg.removesuffix('; retry later')}; {RETRY_HINT}"
+    if isinstance(e, EngineClosedError):
+        return grpc.StatusCode.UNAVAILABLE, str(e) or "the engine is shut down"
+    if isinstance(e, EngineError):
+        log.error("engine error: %s", e)
+        return grpc.StatusCode.INTERNAL, f"engine error: {e}"
+    log.error("unexpected error", exc_info=e)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+
+
+class ServerState:
+    """What the handlers share with server startup/shutdown: the engine once loaded, the phase, the
+    calls in flight (draining waits for them), the options and limits, the metrics."""
+
+    def __init__(self, options: ServerOptions | None = None, metrics=None):
+        self.engine = None
+        self.phase = LOADING
+        self.inflight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.num_generations = 0  # generation calls in flight, both doors
+        self.options = options or ServerOptions()
+        self.limits = self.options.request_limits()
+        self.metrics = metrics  # server.metrics.Metrics, or None
+
+    @contextlib.contextmanager
+    def admit(self, generation: bool):
+        """Admits a call: ServerError UNAVAILABLE unless serving, RESOURCE_EXHAUSTED past
+        --max-concurrent-streams for a generation; yields the engine; counts the call while it runs."""
+        if self.phase != SERVING or self.engine is None:
+            why = "loading the model" if self.phase == LOADING else "shutting down"
+            raise ServerError(grpc.StatusCode.UNAVAILABLE, f"server is {why}; retry later")
+        if generation:
+            limit = self.options.max_concurrent_streams
+            if self.num_generations >= limit:
+                raise ServerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"too many generation calls in flight (this server's limit is {limit}, "
+                                  f"--max-concurrent-streams); {RETRY_HINT}")
+        self.inflight += 1
+        self.idle.clear()
+        self.num_generations += generation
+        if generation and self.metrics is not None:
+            self.metrics.inflight.inc()
+        try:
+            yield self.engine
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self.idle.set()
+            self.num_generations -= generation
+            if generation and self.metrics is not None:
+                self.metrics.inflight.dec()

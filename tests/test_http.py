@@ -1,0 +1,309 @@
+"""The OpenAI-compatible HTTP API as the official `openai` client sees it, beside gRPC on the same
+server: completions and chat, whole and streamed (SSE), n > 1, a batch of prompts, logprobs, errors
+with OpenAI's JSON and the right status, and a client that leaves freeing its KV blocks."""
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from grpc_fixtures import InProcessServer, engine_config, failing_step, slow_steps, tiny_checkpoint, \
+    wait_all_blocks_free
+from pagoda.client.client import Client
+from pagoda.engine import LLM, SamplingParams
+from pagoda.server.options import ServerOptions
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = InProcessServer.for_config(engine_config(tiny_checkpoint(), max_queue_len=4),
+                                   ServerOptions(http_port=0)).wait_ready()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(srv):
+    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(oai):
+    return oai.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def grpc_client(srv):
+    with Client(srv.target, timeout=60) as c:
+        yield c
+
+
+def test_models_health_and_stats(srv, oai, model):
+    assert model == srv.engine.model_info.model_id
+    assert httpx.get(srv.http_url + "/health").json() == {"status": "serving"}
+    stats = httpx.get(srv.http_url + "/stats").json()
+    assert stats["kv_blocks_total"] == srv.engine.stats().num_total_blocks and isinstance(stats["generated_tokens"], int)
+
+
+def test_greedy_completion_equals_grpc_and_transformers_decode(oai, model, grpc_client):
+    out = oai.completions.create(model=model, prompt="Hello world", max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    grpc = grpc_client.generate("Hello world", max_tokens=12, temperature=0, ignore_eos=True)
+    offline = LLM(tiny_checkpoint(), num_kv_blocks=64).generate("Hello world", SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert out.choices[0].text == grpc.text == offline.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == offline.num_prompt_tokens
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert out.object == "text_completion" and out.id.startswith("cmpl-")
+
+
+def test_stream_adds_up_to_the_whole_response(oai, model):
+    kw = dict(model=model, prompt="héllo wörld", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = oai.completions.create(**kw)
+    chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+
+
+def test_chat_whole_and_streamed(oai, model):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text",
+                                                                                          "text": "hi"}]}]
+    kw = dict(model=model, messages=messages, max_tokens=10, temperature=0)
+    whole = oai.chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and whole.object == "chat.completion"
+    assert len(choice.logprobs.content) == whole.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_n_choices_and_a_batch_of_prompts(oai, model):
+    out = oai.completions.create(model=model, prompt=["one", "two"], n=2, max_tokens=5, temperature=0.8, seed=3,
+                                 extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 20
+    again = oai.completions.create(model=model, prompt=[[5, 6, 7]], max_tokens=5, temperature=0, logprobs=2)
+    lp = again.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == again.choices[0].text
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=65), "n"),
+    (dict(extra_body={"bogus": 1}), "bogus"), (dict(max_tokens=100000), "max_tokens"),
+    (dict(echo=True), "echo"), (dict(prompt=[]), "prompt"),
+])
+def test_a_bad_field_is_a_400_naming_it(oai, model, kw, param):
+    kw = {"prompt": "hi", **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, **kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"]
+
+
+def test_unknown_model_and_route_are_404(srv, oai):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.completions.create(model="no-such-model", prompt="hi")
+    assert "does not exist" in e.value.body["message"]
+    r = httpx.post(srv.http_url + "/v1/embeddings", json={})
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+def test_a_body_past_the_size_limit_is_413(srv, model):
+    r = httpx.post(srv.http_url + "/v1/completions", json={"model": model, "prompt": "x" * (5 * 2**20)})
+    assert r.status_code == 413 and "--max-message-bytes" in r.json()["error"]["message"]
+
+
+def test_a_full_queue_is_429_with_retry_after():
+    # one request runs, one waits (the queue's one place), a third is refused
+    s = InProcessServer.for_config(engine_config(tiny_checkpoint(), max_num_seqs=1, max_queue_len=1),
+                                   ServerOptions(http_port=0)).wait_ready()
+    try:
+        oai = openai.OpenAI(base_url=s.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        params = dict(model=s.engine.model_info.model_id, prompt="hi", max_tokens=300, stream=True,
+                      extra_body={"ignore_eos": True})
+        with slow_steps(s.engine, 0.02):
+            running = oai.completions.create(**params)
+            next(iter(running))  # it has a token: running, not waiting
+            waiting = oai.completions.create(**params)
+            with pytest.raises(openai.RateLimitError) as e:
+                oai.completions.create(**params)
+            running.close()
+            waiting.close()
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+        assert "queue is full" in e.value.body["message"]
+        with Client(s.target, timeout=30) as c:
+            wait_all_blocks_free(c)
+    finally:
+        s.stop()
+
+
+def test_a_failed_step_is_500(srv, oai, model):
+    with failing_step(srv.engine):
+        with pytest.raises(openai.InternalServerError) as e:
+            oai.completions.create(model=model, prompt="hi", max_tokens=4)
+    assert "injected failure" in e.value.body["message"]
+
+
+def test_raw_response_headers(oai, model):
+    raw = oai.completions.with_raw_response.create(model=model, prompt="hi", max_tokens=2)
+    assert raw.headers["content-type"] == "application/json" and raw.headers["x-request-id"].startswith("cmpl-")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_its_blocks(srv, model, grpc_client, stream):
+    body = {"model": model, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    with slow_steps(srv.engine, 0.01):
+        if stream:
+            with httpx.stream("POST", srv.http_url + "/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                assert next(r.iter_lines()).startswith("data: {")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.http_url + "/v1/completions", json=body, timeout=1.0)
+        wait_all_blocks_free(grpc_client, timeout=30)
+
+
+def test_sse_as_curl_sees_it(srv, model):
+    """The README's curl line, its SSE parsed here: data lines of JSON, then data: [DONE]."""
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", srv.http_url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_api_key_and_loading(tmp_path):
+    gate = threading.Event()
+
+    def slow_engine():
+        from pagoda.engine import AsyncEngine
+
+        gate.wait(60)
+        return AsyncEngine(engine_config(tiny_checkpoint()))
+
+    s = InProcessServer(slow_engine, ServerOptions(http_port=0, api_key="sekret"))
+    try:
+        assert httpx.get(s.http_url + "/health").status_code == 503  # loading; /health needs no key
+        r = httpx.get(s.http_url + "/v1/models", headers={"authorization": "Bearer sekret"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        gate.set()
+        s.wait_ready()
+        bad = openai.OpenAI(base_url=s.http_url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.http_url + "/v1", api_key="sekret", max_retries=0)
+        assert good.models.list().data
+    finally:
+        gate.set()
+        s.stop()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(s.http_url + "/health", timeout=1)
+        except httpx.TransportError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the HTTP server is still up after stop()")
+
+
+def readme_curl_lines() -> list[str]:
+    """The curl commands of the README's HTTP section (backslash-continued lines joined)."""
+    from grpc_fixtures import REPO
+
+    text = (REPO / "README.md").read_text()
+    section = text.split("## The HTTP API (OpenAI-compatible)")[1].split("\n## ")[0]
+    block = section.split("```sh\n")[1].split("```")[0].replace("\\\n", " ")
+    return [line.strip() for line in block.splitlines() if line.startswith("curl ")]
+
+
+def test_the_readme_curl_lines_against_pagoda_serve():
+    import subprocess
+
+    from grpc_fixtures import ServeProcess
+
+    proc = ServeProcess("--model", tiny_checkpoint(), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64")
+    try:
+        proc.wait_ready()
+        base = f"127.0.0.1:{proc.http_port}"
+        model = httpx.get(f"http://{base}/v1/models").json()["data"][0]["id"]
+        outputs = []
+        for line in readme_curl_lines():
+            cmd = line.replace("localhost:8000", base).replace("MODEL", model)
+            out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, (cmd, out.stderr)
+            outputs.append(out.stdout)
+        models, completion, stream = outputs
+        assert json.loads(models)["data"][0]["id"] == model
+        assert json.loads(completion)["choices"][0]["finish_reason"] in ("stop", "length")
+        events = [e for e in stream.split("\n\n") if e.strip()]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        proc.proc.terminate()
+        proc.proc.wait(60)
+
+
+def test_chat_with_a_model_that_has_no_chat_template_is_a_400(tmp_path):
+    import glob
+    import os
+
+    from pagoda.engine.demo import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(str(tmp_path / "m"), "llama", initializer_range=0.3)
+    for f in glob.glob(os.path.join(path, "chat_template.*")):
+        os.remove(f)
+    config = os.path.join(path, "tokenizer_config.json")
+    with open(config) as f:
+        tok = json.load(f)
+    tok.pop("chat_template", None)
+    with open(config, "w") as f:
+        json.dump(tok, f)
+    s = InProcessServer.for_config(engine_config(path), ServerOptions(http_port=0)).wait_ready()
+    try:
+        oai = openai.OpenAI(base_url=s.http_url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=s.engine.model_info.model_id,
+                                        messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["param"] == "messages" and "chat template" in e.value.body["message"]
+        assert oai.completions.create(model=s.engine.model_info.model_id, prompt="hi", max_tokens=2).choices
+    finally:
+        s.stop()
+
+
+def test_https_and_mutual_tls_follow_the_grpc_settings(tmp_path):
+    """--tls-cert/--tls-key serve HTTPS; with --tls-client-ca a client certificate is required."""
+    import ssl
+
+    from hardening_fixtures import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    options = ServerOptions(http_port=0, tls_cert=certs["server_cert"], tls_key=certs["server_key"],
+                            tls_client_ca=certs["ca"])
+    s = InProcessServer.for_config(engine_config(tiny_checkpoint(), num_kv_blocks=32), options)
+    try:
+        url = f"https://127.0.0.1:{s.server.http_port}/health"
+        trusted = ssl.create_default_context(cafile=certs["ca"])
+        with pytest.raises(httpx.TransportError):  # plain HTTP, and TLS without a client certificate
+            httpx.get(url.replace("https", "http"), timeout=10)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(url, verify=trusted, timeout=10)
+        trusted.load_cert_chain(certs["client_cert"], certs["client_key"])
+        assert httpx.get(url, verify=trusted, timeout=10).status_code in (200, 503)
+    finally:
+        s.stop()
