@@ -80,17 +80,64 @@ async def one_request(stub, pb, index, prompt, n, timeout) -> Record:
     return rec
 
 
-async def run_load(target, workload, args, bar=None) -> tuple[list[Record], float]:
+async def one_http_request(client, url: str, model: str, index, prompt, n, timeout) -> Record:
+    """The same request over the OpenAI-compatible HTTP API, streamed (SSE), with each chunk's token
+    ids (return_token_ids) and the usage at the end."""
+    import orjson
+
+    rec = Record(index, len(prompt), n)
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    finish = None
+    rec.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                for c in chunk.get("choices", ()):
+                    if c.get("token_ids"):
+                        rec.arrivals.append((time.perf_counter(), len(c["token_ids"])))
+                        rec.tokens += len(c["token_ids"])
+                    finish = c.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    rec.usage_tokens = chunk["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - a failed stream is counted, not fatal
+        rec.error = f"{type(e).__name__}: {e}"
+    if rec.error is None and finish != "length":
+        rec.error = f"finish_reason {finish!r}, expected 'length'"
+    return rec
+
+
+@contextlib.asynccontextmanager
+async def client_for(target, protocol: str, timeout: float):
+    """send(index, prompt, n) -> Record over `protocol` against target (grpc host:port or http base URL)."""
+    if protocol == "grpc":
+        import grpc
+        from pagoda.v1 import generation_pb2 as pb
+        from pagoda.v1 import generation_pb2_grpc as pb_grpc
+
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            yield lambda i, prompt, n: one_request(stub, pb, i, prompt, n, timeout)
+        return
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        model = (await client.get(f"{target}/v1/models")).json()["data"][0]["id"]
+        yield lambda i, prompt, n: one_http_request(client, f"{target}/v1/completions", model, i, prompt, n, timeout)
+
+
+async def run_load(target, workload, args, protocol: str = "grpc", bar=None) -> tuple[list[Record], float]:
     """Sends the workload; returns the records and the wall time from first send to last end."""
-    import grpc
-    from pagoda.v1 import generation_pb2 as pb
-    from pagoda.v1 import generation_pb2_grpc as pb_grpc
-
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
-
+    async with client_for(target, protocol, args.request_timeout) as request:
         async def send(i):
-            rec = await one_request(stub, pb, i, workload[i][0], workload[i][1], args.request_timeout)
+            rec = await request(i, workload[i][0], workload[i][1])
             if bar is not None:
                 bar.update(1)
             return rec
@@ -181,9 +228,11 @@ def pagoda_command() -> list[str]:
 
 @contextlib.contextmanager
 def spawned_server(path: str, args):
-    """`pagoda serve` on a free loopback port, until SERVING; SIGTERM on the way out."""
-    port = free_port()
-    cmd = pagoda_command() + ["serve", "--model", path, "--host", "127.0.0.1", "--port", str(port), "--http-port", "off",
+    """`pagoda serve` on free loopback ports (gRPC, HTTP), until SERVING; SIGTERM on the way out.
+    Yields {"grpc": host:port, "http": base URL}."""
+    port, http_port = free_port(), free_port()
+    cmd = pagoda_command() + ["serve", "--model", path, "--host", "127.0.0.1", "--port", str(port),
+                              "--http-port", str(http_port),
                               "--dtype", args.dtype, "--device", args.device, "--log-level", "WARNING"]
     if args.threads:
         cmd += ["--cpu-threads", str(args.threads)]
@@ -193,7 +242,7 @@ def spawned_server(path: str, args):
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT)
     try:
         wait_serving(f"127.0.0.1:{port}", proc, args.server_timeout, log.name)
-        yield f"127.0.0.1:{port}"
+        yield {"grpc": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}"}
     finally:
         stop_server(proc)
         log.close()
@@ -283,6 +332,12 @@ def parse_args(argv=None):
     g.add_argument("--request-timeout", type=float, default=1800, help="deadline of each call, s (default 1800)")
     s = p.add_argument_group("server")
     s.add_argument("--target", default="localhost:50051", help="a running server (default localhost:50051)")
+    s.add_argument("--http-target", default="http://localhost:8000",
+                   help="its HTTP API, for --protocol http (default http://localhost:8000)")
+    s.add_argument("--protocol", choices=["grpc", "http", "both"], default="grpc",
+                   help="GenerateStream over gRPC, streamed /v1/completions over HTTP, or both one after the "
+                        "other (with --spawn-server each against a fresh server, so that neither finds the "
+                        "other's prompts in the prefix cache), with HTTP's throughput over gRPC's (default grpc)")
     s.add_argument("--spawn-server", action="store_true",
                    help="start `pagoda serve` for this run on a free loopback port, stop it afterwards")
     s.add_argument("--server-args", help="extra `pagoda serve` flags, one string (with --spawn-server)")
@@ -298,10 +353,11 @@ def parse_args(argv=None):
     return common.finish_args(p.parse_args(argv))
 
 
-def run_serving(target: str, workload, warmup, args) -> tuple[list[Record], float]:
-    asyncio.run(run_load(target, warmup, args))
-    with tqdm(total=len(workload), desc="serving", unit="req", file=sys.stderr, disable=args.no_progress) as bar:
-        return asyncio.run(run_load(target, workload, args, bar))
+def run_serving(target: str, workload, warmup, args, protocol: str) -> tuple[list[Record], float]:
+    asyncio.run(run_load(target, warmup, args, protocol))
+    with tqdm(total=len(workload), desc=f"serving ({protocol})", unit="req", file=sys.stderr,
+              disable=args.no_progress) as bar:
+        return asyncio.run(run_load(target, workload, args, protocol, bar))
 
 
 def describe(args, path: str, workload, target: str) -> str:
@@ -314,7 +370,9 @@ def describe(args, path: str, workload, target: str) -> str:
         server += f", engine CPU threads {engine_threads(args)}"
     model = args.model or f"{args.model_config} (random weights, {path})"
     output = sum(n for _, n in workload)
-    return (f"gRPC GenerateStream against {target} ({server}), {load}. Model {model}, {args.device} "
+    what = {"grpc": "gRPC GenerateStream", "http": "HTTP /v1/completions (SSE)",
+            "both": "gRPC GenerateStream, then HTTP /v1/completions (SSE), each"}[args.protocol]
+    return (f"{what} against {target} ({server}), {load}. Model {model}, {args.device} "
             f"{args.dtype}. {len(workload)} requests, prompts {args.input_len[0]}..{args.input_len[1]} tokens, "
             f"outputs {args.output_len[0]}..{args.output_len[1]} tokens ({output} in all), seed {args.seed}, "
             f"greedy, EOS ignored.")
@@ -324,28 +382,40 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     path = common.model_path(args)
     workload, warmup = common.workloads(args, path)
-    with (spawned_server(path, args) if args.spawn_server else contextlib.nullcontext(args.target)) as target:
-        records, duration = run_serving(target, workload, warmup, args)
-    m = metrics(records, duration)
+    protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
+    given = {"grpc": args.target, "http": args.http_target}
+    runs, used = {}, []
+    for protocol in protocols:
+        # a server of its own for each protocol: the second would otherwise find every prompt in the
+        # prefix cache the first one filled
+        with (spawned_server(path, args) if args.spawn_server else contextlib.nullcontext(given)) as targets:
+            runs[protocol] = run_serving(targets[protocol], workload, warmup, args, protocol)
+            used.append(targets[protocol])
     offline = offline_throughput(path, args) if args.offline_compare else \
         read_offline(args.offline_json, args) if args.offline_json else None
-    if offline:
-        m["offline"] = offline
-        m["serving_over_offline"] = m["output_tokens_per_s"] / offline["output_tokens_per_s"]
-    text = f"{describe(args, path, workload, target)}\n\n{report(m, offline)}\n"
-    bad = [r for r in records if not r.ok]
-    for r in bad[:10]:
-        text += f"- ERROR request {r.index}: {r.problem()}\n"
+    text, bad, measured = describe(args, path, workload, ", ".join(used)) + "\n", [], {}
+    for protocol, (records, duration) in runs.items():
+        m = measured[protocol] = metrics(records, duration)
+        if offline:
+            m["offline"] = offline
+            m["serving_over_offline"] = m["output_tokens_per_s"] / offline["output_tokens_per_s"]
+        text += f"\n{protocol}:\n\n{report(m, offline)}\n" if len(runs) > 1 else f"\n{report(m, offline)}\n"
+        bad += [(protocol, r) for r in records if not r.ok]
+    if len(runs) > 1:
+        ratio = measured["http"]["output_tokens_per_s"] / measured["grpc"]["output_tokens_per_s"]
+        fresh = ", a fresh server each" if args.spawn_server else ""
+        text += f"\n- HTTP/gRPC output throughput, same workload{fresh}: {ratio:.3f}\n"
+    for protocol, r in bad[:10]:
+        text += f"- ERROR {protocol} request {r.index}: {r.problem()}\n"
     print(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "serving", "command": common.command_line(), "machine": common.machine(),
-                       "model": path, "args": vars(args), "metrics": m}, f, indent=2)
+                       "model": path, "args": vars(args), "metrics": measured}, f, indent=2)
     if not args.no_results:
-        common.append_results(args.results, "gRPC serving (benchmarks/serving.py)", text)
+        common.append_results(args.results, f"serving over {args.protocol} (benchmarks/serving.py)", text)
     if bad:
-        print(f"ERROR: {len(bad)} of {len(records)} streams failed or did not end with the tokens they "
-              f"asked for", file=sys.stderr)
+        print(f"ERROR: {len(bad)} streams failed or did not end with the tokens they asked for", file=sys.stderr)
         return 1
     return 0
 

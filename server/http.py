@@ -62,6 +62,7 @@ class _Sampling(_Fields):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    return_token_ids: bool = False  # vLLM's name: each choice (and stream chunk) also carries its token ids
     # accepted at their defaults only, until the engine has them (a 400 says so otherwise)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -302,7 +303,8 @@ class HttpDoor:
             self._finish(record, code)
             await stack.aclose()
             return _error_for(e)
-        meta = {"id": rid, "created": int(time.time()), "model": self._model_id(), "n": body.n, "chat": chat}
+        meta = {"id": rid, "created": int(time.time()), "model": self._model_id(), "n": body.n, "chat": chat,
+                "token_ids": body.return_token_ids}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(streams, meta, include_usage, record, stack)
@@ -348,18 +350,22 @@ class HttpDoor:
         choices = work.result()
         body = {"id": meta["id"], "object": "chat.completion" if meta["chat"] else "text_completion",
                 "created": meta["created"], "model": meta["model"],
-                "choices": [self._choice(k, c, meta["chat"]) for k, c in sorted(choices.items())],
+                "choices": [self._choice(k, c, meta) for k, c in sorted(choices.items())],
                 "usage": _usage_of(choices.values(), meta["n"])}
         return _json(body)
 
-    def _choice(self, index: int, c: _Choice, chat: bool) -> dict:
+    def _choice(self, index: int, c: _Choice, meta: dict) -> dict:
         text, finish = "".join(c.text), _finish_reason(c.last)
-        if chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": self._chat_logprobs(c.logprobs) if c.last.logprobs is not None else None,
-                    "finish_reason": finish}
-        return {"index": index, "text": text, "finish_reason": finish,
-                "logprobs": self._completion_logprobs(c.logprobs) if c.last.logprobs is not None else None}
+        if meta["chat"]:
+            out = {"index": index, "message": {"role": "assistant", "content": text},
+                   "logprobs": self._chat_logprobs(c.logprobs) if c.last.logprobs is not None else None,
+                   "finish_reason": finish}
+        else:
+            out = {"index": index, "text": text, "finish_reason": finish,
+                   "logprobs": self._completion_logprobs(c.logprobs) if c.last.logprobs is not None else None}
+        if meta["token_ids"]:
+            out["token_ids"] = c.token_ids
+        return out
 
     async def _events(self, streams, meta, include_usage: bool, record, stack):
         """The SSE stream: a chunk per output (chat: the role first), the usage chunk if asked, [DONE]."""
@@ -378,7 +384,7 @@ class HttpDoor:
                 last[k] = out
                 if not (out.text or out.finished or out.token_ids):
                     continue
-                yield _event({**head, "choices": [self._delta(k, out, chat)]})
+                yield _event({**head, "choices": [self._delta(k, out, meta)]})
             if include_usage:
                 yield _event({**head, "choices": [], "usage": _usage_of(
                     [_Ended(o) for o in last.values()], meta["n"])})
@@ -394,14 +400,18 @@ class HttpDoor:
             await stack.aclose()  # closes every prompt's stream (aborting what has not finished) and the call
         yield b"data: [DONE]\n\n"
 
-    def _delta(self, k: int, out, chat: bool) -> dict:
+    def _delta(self, k: int, out, meta: dict) -> dict:
         finish = _finish_reason(out)
-        if chat:
-            return {"index": k, "delta": {"content": out.text} if out.text else {},
-                    "logprobs": self._chat_logprobs(out.logprobs) if out.logprobs is not None else None,
-                    "finish_reason": finish}
-        return {"index": k, "text": out.text, "finish_reason": finish,
-                "logprobs": self._completion_logprobs(out.logprobs) if out.logprobs is not None else None}
+        if meta["chat"]:
+            delta = {"index": k, "delta": {"content": out.text} if out.text else {},
+                     "logprobs": self._chat_logprobs(out.logprobs) if out.logprobs is not None else None,
+                     "finish_reason": finish}
+        else:
+            delta = {"index": k, "text": out.text, "finish_reason": finish,
+                     "logprobs": self._completion_logprobs(out.logprobs) if out.logprobs is not None else None}
+        if meta["token_ids"]:
+            delta["token_ids"] = out.token_ids
+        return delta
 
     # ---- logprobs, with each token's text from the bytes it spells ----
 

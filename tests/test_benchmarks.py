@@ -56,9 +56,22 @@ def test_serving_against_a_spawned_server(checkpoint, tmp_path, load):
     r = _run("serving.py", "--spawn-server", "--offline-compare", "--model", checkpoint("llama"), *WORKLOAD,
              *load, "--json", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
-    m = json.loads(out.read_text())["metrics"]
+    m = json.loads(out.read_text())["metrics"]["grpc"]
     assert (m["completed"], m["failed"]) == (6, 0)  # every stream ended with the tokens it asked for
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert set(m[key]) >= {"p50", "p90", "p99"}
     assert m["serving_over_offline"] > 0
     assert "serving/offline" in r.stdout
+
+
+def test_serving_over_http_and_grpc_in_one_run(checkpoint, tmp_path):
+    out = tmp_path / "s.json"
+    r = _run("serving.py", "--spawn-server", "--protocol", "both", "--model", checkpoint("llama"), *WORKLOAD,
+             "--concurrency", "3", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    metrics = json.loads(out.read_text())["metrics"]
+    for protocol in ("grpc", "http"):
+        m = metrics[protocol]
+        assert (m["completed"], m["failed"]) == (6, 0), protocol  # tokens counted from each SSE chunk's ids
+        assert m["itl_ms"]["p50"] >= 0 and m["output_tokens_per_s"] > 0
+    assert "HTTP/gRPC output throughput" in r.stdout

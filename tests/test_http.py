@@ -51,8 +51,9 @@ def test_models_health_and_stats(srv, oai, model):
 
 def test_greedy_completion_equals_grpc_and_transformers_decode(oai, model, grpc_client):
     out = oai.completions.create(model=model, prompt="Hello world", max_tokens=12, temperature=0,
-                                 extra_body={"ignore_eos": True})
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
     grpc = grpc_client.generate("Hello world", max_tokens=12, temperature=0, ignore_eos=True)
+    assert out.choices[0].model_extra["token_ids"] == list(grpc.token_ids)  # token-identical too
     offline = LLM(tiny_checkpoint(), num_kv_blocks=64).generate("Hello world", SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert out.choices[0].text == grpc.text == offline.text
