@@ -39,7 +39,9 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   max_tokens: int | None = None, min_tokens: int | None = None, stop: Iterable[str] = (),
                   stop_token_ids: Iterable[int] = (), ignore_eos: bool = False, logprobs: bool = False,
-                  top_logprobs: int | None = None, priority: int = 0, n: int | None = None):
+                  top_logprobs: int | None = None, priority: int = 0, n: int | None = None,
+                  include_stop_str_in_output: bool | None = None, skip_special_tokens: bool | None = None,
+                  truncate_prompt_tokens: int | None = None):
     """A GenerateRequest (or GenerateStreamRequest with stream=True). The prompt is text (str), token
     ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts.
     None leaves a field unset, so the server's default applies."""
@@ -68,6 +70,12 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
     req.stopping.stop.extend(stop)
     req.stopping.stop_token_ids.extend(stop_token_ids)
     req.stopping.ignore_eos = ignore_eos
+    if include_stop_str_in_output is not None:
+        req.stopping.include_stop_str_in_output = include_stop_str_in_output
+    for name, value in (("skip_special_tokens", skip_special_tokens),
+                        ("truncate_prompt_tokens", truncate_prompt_tokens)):
+        if value is not None:
+            setattr(req, name, value)
     req.logprobs = logprobs
     if top_logprobs is not None:
         req.top_logprobs = top_logprobs

@@ -52,17 +52,20 @@ class TokenVocab:
         else:
             pieces = [_piece(t, steps) if t is not None else b"" for t in tokens]
             self.strip_leading = _strip_leading(steps)
+        padding = [b""] * max(0, vocab_size - len(pieces))
+        self.pieces_with_special: list[bytes] = pieces + padding  # decode(..., skip_special_tokens=False)
+        pieces = list(pieces)
         for i in special:
             if i < len(pieces):
                 pieces[i] = b""
-        self.pieces: list[bytes] = pieces + [b""] * max(0, vocab_size - len(pieces))
+        self.pieces: list[bytes] = pieces + padding
 
-    def prompt_context(self, prompt_token_ids: list[int]) -> tuple[bytes, bool]:
+    def prompt_context(self, prompt_token_ids: list[int], pieces: list[bytes]) -> tuple[bytes, bool]:
         """The prompt's last bytes (enough for a character it leaves incomplete) and whether the
         prompt has any text at all (if not, the completion's start is stripped as decode would)."""
         tail, n = [], 0
         for t in reversed(prompt_token_ids):
-            piece = self.pieces[t] if t < len(self.pieces) else b""
+            piece = pieces[t] if t < len(pieces) else b""
             tail.append(piece)
             n += len(piece)
             if n >= _MIN_CONTEXT_BYTES:
@@ -130,10 +133,10 @@ class IncrementalDetokenizer:
     read, so a reader that looks only at the end pays once; text once read is never taken back
     (a stop string cuts only text not yet handed out, see output_processor.sendable_end)."""
 
-    def __init__(self, vocab: TokenVocab, prompt_token_ids: list[int]):
-        self.pieces = vocab.pieces
+    def __init__(self, vocab: TokenVocab, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.pieces = vocab.pieces if skip_special_tokens else vocab.pieces_with_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-        context, has_text = vocab.prompt_context(prompt_token_ids)
+        context, has_text = vocab.prompt_context(prompt_token_ids, self.pieces)
         self._utf8.decode(context)  # a character the prompt left incomplete continues here
         self._to_strip = 0 if has_text else vocab.strip_leading
         self._pending: list[int] = []
@@ -164,13 +167,15 @@ class IncrementalDetokenizer:
         self._text = self.text + self._utf8.decode(b"", final=True)
         return self._text
 
-    def find_stop(self, stops: list[str]) -> bool:
-        """Look for a stop string in the text not yet searched; on a hit, cut the text before it."""
+    def find_stop(self, stops: list[str], include: bool = False) -> bool:
+        """Look for a stop string in the text not yet searched; on a hit, cut the text before it (after
+        it with `include`; the first one to start wins, the longest of those)."""
         text = self.text
         start = max(0, self._stop_checked - max(len(s) for s in stops) + 1)
-        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+        hits = [(i, -len(s)) for s in stops if (i := text.find(s, start)) >= 0]
         self._stop_checked = len(text)
         if not hits:
             return False
-        self._text = text[:min(hits)]
+        at, minus_len = min(hits)
+        self._text = text[:at - minus_len if include else at]
         return True

@@ -120,7 +120,8 @@ class LLMEngine:
                            params.max_tokens, priority=req.priority, eos_token_ids=self.eos_token_ids,
                            request_id=req.request_id, index=i, stream=req.stream)
             seq.arrival_time = req.arrival_time
-            seq.detokenizer = IncrementalDetokenizer(self.vocab, req.prompt_token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self.vocab, req.prompt_token_ids,
+                                                     params.skip_special_tokens)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(params.seed + i)

@@ -23,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
+    skip_special_tokens: bool = True  # special tokens add no text (as decode's skip_special_tokens)
+    truncate_prompt_tokens: int | None = None  # keep a longer prompt's last N tokens instead of refusing it
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -158,7 +158,8 @@ def check_stop(seq: Sequence, max_model_len: int) -> FinishReason | None:
             return FinishReason.EOS
         if token in params.stop_token_ids:
             return FinishReason.STOP_TOKEN
-        if params.stop and detokenizer is not None and detokenizer.find_stop(params.stop):
+        if params.stop and detokenizer is not None and detokenizer.find_stop(params.stop,
+                                                                            params.include_stop_str_in_output):
             return FinishReason.STOP_STRING
     if num_generated >= seq.max_tokens or num_tokens >= max_model_len:
         return FinishReason.LENGTH

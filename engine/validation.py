@@ -100,6 +100,7 @@ FIELD_RULES = {
     "max_tokens": lambda v: v is None or check_int("max_tokens", v, lo=1),
     "min_tokens": lambda v: check_int("min_tokens", v, lo=0),
     "top_logprobs": lambda v: check_int("top_logprobs", v, lo=0, hi=MAX_TOP_LOGPROBS),
+    "truncate_prompt_tokens": lambda v: v is None or check_int("truncate_prompt_tokens", v, lo=1),
 }
 
 
@@ -114,7 +115,7 @@ def check_sampling(p) -> None:
             raise InvalidRequestError(f"stop[{i}]", f"must be a non-empty string, got {s!r}")
     for i, t in enumerate(p.stop_token_ids):
         check_int(f"stop_token_ids[{i}]", t, lo=0)
-    for name in ("ignore_eos", "logprobs"):
+    for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidRequestError(name, f"must be a bool, got {getattr(p, name)!r}")
 
@@ -156,7 +157,7 @@ def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: s
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
     _check_stop_sizes(params, limits, model.vocab_size)
-    ids = _prompt_ids(prompt, tokenizer, model, limits)
+    ids = _prompt_ids(prompt, tokenizer, model, limits, params.truncate_prompt_tokens)
     max_tokens = _max_tokens(params, len(ids), model.max_model_len, limits, default_max_tokens)
     if params.min_tokens > max_tokens:
         raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
@@ -181,7 +182,8 @@ def _check_stop_sizes(params, limits: RequestLimits, vocab_size: int) -> None:
             raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be < vocab_size ({vocab_size}), got {t}")
 
 
-def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits) -> list[int]:
+def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits, keep_last: int | None) -> list[int]:
+    """The prompt's token ids, checked; `keep_last` (truncate_prompt_tokens) keeps a longer one's tail."""
     most = limits.prompt_tokens(model.max_model_len)
     flag = "--max-prompt-tokens, and " if limits.max_prompt_tokens is not None else ""
     too_long = (f"more than the {most} prompt tokens accepted ({flag}the context length {model.max_model_len} "
@@ -190,6 +192,7 @@ def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits) ->
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
         ids = tokenizer.encode(prompt)
+        ids = ids[-keep_last:] if keep_last else ids
         if len(ids) > most:
             raise InvalidRequestError("prompt", f"is {len(ids)} tokens, {too_long}")
         return ids
@@ -198,6 +201,7 @@ def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits) ->
     ids = list(prompt)
     if not ids:
         raise InvalidRequestError("prompt_token_ids", "must not be empty")
+    ids = ids[-keep_last:] if keep_last else ids
     if len(ids) > most:  # before the per-id check: a huge list is refused at once
         raise InvalidRequestError("prompt_token_ids", f"is {len(ids)} tokens, {too_long}")
     vocab = model.vocab_size

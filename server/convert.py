@@ -27,7 +27,8 @@ FINISH_REASONS = {
 FIELDS = {
     **{name: f"sampling.{name}" for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
                                              "presence_penalty", "frequency_penalty", "n")},
-    **{name: f"stopping.{name}" for name in ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos")},
+    **{name: f"stopping.{name}" for name in ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
+                                             "include_stop_str_in_output")},
 }
 PROMPT_FIELDS = {"text": "text", "token_ids": "token_ids.ids", "messages": "messages"}
 
@@ -65,6 +66,11 @@ def _params(req) -> SamplingParams:
         kw[name] = getattr(st, name) if st.HasField(name) else None
     kw["min_tokens"] = kw["min_tokens"] or 0
     top_logprobs = req.top_logprobs if req.HasField("top_logprobs") else 0
+    if st.HasField("include_stop_str_in_output"):
+        kw["include_stop_str_in_output"] = st.include_stop_str_in_output
+    for name in ("skip_special_tokens", "truncate_prompt_tokens"):
+        if req.HasField(name):
+            kw[name] = getattr(req, name)
     return SamplingParams(**kw, stop=list(st.stop), stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
                           logprobs=req.logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
 

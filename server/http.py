@@ -63,9 +63,10 @@ class _Sampling(_Fields):
     stop_token_ids: list[int] | None = None
     priority: int = 0
     return_token_ids: bool = False  # vLLM's name: each choice (and stream chunk) also carries its token ids
-    # accepted at their defaults only, until the engine has them (a 400 says so otherwise)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    # accepted at its default only, until the engine has it (a 400 says so otherwise)
     logit_bias: dict[str, float] | None = None
 
 
@@ -95,7 +96,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-_NOT_YET = {"echo": False, "skip_special_tokens": True, "include_stop_str_in_output": False, "logit_bias": None}
+_NOT_YET = {"echo": False, "logit_bias": None}
 
 
 def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -103,13 +104,14 @@ def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> Sa
     for name, default in _NOT_YET.items():
         if getattr(body, name, default) not in (default, {}):
             raise InvalidRequestError(name, "is not supported by this server yet")
-    kw = {name: getattr(body, name) for name in ("n", "temperature", "top_p", "seed", "presence_penalty",
-                                                  "frequency_penalty", "top_k", "min_p", "repetition_penalty",
-                                                  "min_tokens") if getattr(body, name) is not None}
+    names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+             "repetition_penalty", "min_tokens", "truncate_prompt_tokens")
+    kw = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     return SamplingParams(**kw, max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
-                          ignore_eos=body.ignore_eos, logprobs=logprobs is not None,
-                          top_logprobs=logprobs or 0)
+                          ignore_eos=body.ignore_eos, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+                          skip_special_tokens=body.skip_special_tokens,
+                          include_stop_str_in_output=body.include_stop_str_in_output)
 
 
 def _prompts(prompt) -> list:

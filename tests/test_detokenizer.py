@@ -128,3 +128,25 @@ def test_ids_past_the_tokenizer_add_nothing(tok):
     ids = tok.encode("a bc")
     got, _ = run(vocab, ids[:1], ids[1:] + [len(tok) + 3])
     assert got == decode(tok, ids)[len(decode(tok, ids[:1])):] and got
+
+
+def test_special_tokens_kept_when_asked_as_decode_gives_them(tok, vocab):
+    ids = tok.encode("Hello there") + [tok.eos_token_id] + tok.encode(" more") + [tok.bos_token_id]
+    for k in (1, 3):
+        d = IncrementalDetokenizer(vocab, ids[:k], skip_special_tokens=False)
+        for t in ids[k:]:
+            d.append(t)
+        full, head = tok.decode(ids, skip_special_tokens=False), tok.decode(ids[:k], skip_special_tokens=False)
+        assert d.flush() == full[len(head):] and tok.eos_token in d.text
+        skipped, _ = run(vocab, ids[:k], ids[k:])
+        assert tok.eos_token not in skipped
+
+
+@pytest.mark.parametrize("include,want", [(False, "hello "), (True, "hello STOP")])
+def test_the_stop_string_kept_when_asked(vocab, tok, include, want):
+    d = IncrementalDetokenizer(vocab, tok.encode("x"))
+    for i in tok.encode("hello STOP world and more"):
+        d.append(i)
+        if d.find_stop(["STOP", "never"], include=include):
+            break
+    assert d.text.lstrip() == want.lstrip()

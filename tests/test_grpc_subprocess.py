@@ -2,7 +2,6 @@
 the `pagoda` CLI, by buf curl through reflection alone, and by a Node.js @grpc/grpc-js client that
 loads the .proto; then SIGTERM draining of the no-argument (demo model) server."""
 import json
-import os
 import signal
 import subprocess
 import time

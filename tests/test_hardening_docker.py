@@ -165,8 +165,9 @@ def test_install_script_outside_docker(tmp_path):
            "PAGODA_PORT_FILE": str(tmp_path / "pagoda-port")}
     box.pop("PAGODA_TARGET", None)
     healthcheck = ["sh", str(DOCKER / "healthcheck.sh")]
-    serve = subprocess.Popen(["sh", str(DOCKER / "entrypoint.sh"), "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
-                              "--model", tiny_checkpoint(), "--device", "cpu", "--num-kv-blocks", "16"],
+    serve = subprocess.Popen(["sh", str(DOCKER / "entrypoint.sh"), "--host", "127.0.0.1", "--port", str(port),
+                              "--http-port", "0", "--model", tiny_checkpoint(), "--device", "cpu",
+                              "--num-kv-blocks", "16"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/", env=box)
     try:
         logged = []

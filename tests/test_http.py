@@ -308,3 +308,49 @@ def test_https_and_mutual_tls_follow_the_grpc_settings(tmp_path):
         assert httpx.get(url, verify=trusted, timeout=10).status_code in (200, 503)
     finally:
         s.stop()
+
+
+# ---- options both doors share ----
+
+def test_include_stop_str_in_output_on_both_doors(oai, model, grpc_client):
+    full = grpc_client.generate("Hello world", max_tokens=16, temperature=0, ignore_eos=True).text
+    at = next(i for i in range(2, len(full) - 2) if full.index(full[i:i + 2]) == i)
+    stop = full[at:at + 2]
+    for include, want in ((False, full[:at]), (True, full[:at + 2])):
+        g = grpc_client.generate("Hello world", max_tokens=16, temperature=0, ignore_eos=True, stop=[stop],
+                                 include_stop_str_in_output=include)
+        h = oai.completions.create(model=model, prompt="Hello world", max_tokens=16, temperature=0, stop=stop,
+                                   extra_body={"ignore_eos": True, "include_stop_str_in_output": include})
+        assert g.text == h.choices[0].text == want
+        assert h.choices[0].finish_reason == "stop"
+
+
+def test_skip_special_tokens_false_on_both_doors(oai, model, grpc_client, srv):
+    """A sampled completion that holds a special token (the tiny model's vocabulary is 6 specials in
+    262): its text spells it with skip_special_tokens false, as transformers' decode does."""
+    tok = srv.engine.tokenizer
+    special = set(tok.all_special_ids)
+    for seed in range(20):
+        kw = dict(max_tokens=48, temperature=1.0, seed=seed, ignore_eos=True)
+        g = grpc_client.generate("Hi", skip_special_tokens=False, **kw)
+        if special & set(g.token_ids):
+            break
+    else:
+        pytest.fail("no sampled completion held a special token")
+    assert g.text == tok.decode(list(g.token_ids), skip_special_tokens=False)
+    assert grpc_client.generate("Hi", **kw).text == tok.decode(list(g.token_ids), skip_special_tokens=True)
+    h = oai.completions.create(model=model, prompt="Hi", max_tokens=48, temperature=1.0, seed=seed,
+                               extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert h.choices[0].text == g.text
+
+
+def test_truncate_prompt_tokens_on_both_doors(oai, model, grpc_client):
+    long = [65] * 600  # more than the tiny model's context
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt=long, max_tokens=2)
+    h = oai.completions.create(model=model, prompt=long, max_tokens=2, extra_body={"truncate_prompt_tokens": 100})
+    g = grpc_client.generate(long, max_tokens=2, truncate_prompt_tokens=100)
+    assert h.usage.prompt_tokens == g.usage.prompt_tokens == 100
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=model, prompt="hi", extra_body={"truncate_prompt_tokens": 0})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
