@@ -306,7 +306,7 @@ class HttpDoor:
             await stack.aclose()
             return _error_for(e)
         meta = {"id": rid, "created": int(time.time()), "model": self._model_id(), "n": body.n, "chat": chat,
-                "token_ids": body.return_token_ids}
+                "token_ids": body.return_token_ids, "expired": self._time_limit(engine, reqs, record, stack)}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(streams, meta, include_usage, record, stack)
@@ -322,6 +322,27 @@ class HttpDoor:
         finally:
             self._finish(record, code)
             await stack.aclose()
+
+    def _time_limit(self, engine, reqs, record, stack) -> list[bool]:
+        """--request-timeout: a timer that aborts the call's requests (their streams then end), not a
+        wait per token; returns the flag it sets."""
+        expired, timeout = [False], self.state.options.request_timeout
+        if timeout > 0:
+            def expire():
+                expired[0] = True
+                for r in reqs:
+                    engine.abort(r.request_id)
+
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(loop.time() + max(0.0, record.t0 + timeout - time.monotonic()), expire)
+            stack.callback(timer.cancel)
+        return expired
+
+    def _timed_out(self, meta) -> ServerError:
+        timeout = self.state.options.request_timeout
+        return ServerError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {meta['id']!r} ran past this server's time "
+                                                              f"limit of {timeout:g}s (--request-timeout) and was "
+                                                              f"aborted")
 
     def _finish(self, record, code: grpc.StatusCode) -> None:
         metrics = self.state.metrics
@@ -350,6 +371,8 @@ class HttpDoor:
                 await work
             raise ServerError(grpc.StatusCode.CANCELLED, "the client disconnected")
         choices = work.result()
+        if meta["expired"][0]:
+            raise self._timed_out(meta)
         body = {"id": meta["id"], "object": "chat.completion" if meta["chat"] else "text_completion",
                 "created": meta["created"], "model": meta["model"],
                 "choices": [self._choice(k, c, meta) for k, c in sorted(choices.items())],
@@ -387,6 +410,8 @@ class HttpDoor:
                 if not (out.text or out.finished or out.token_ids):
                     continue
                 yield _event({**head, "choices": [self._delta(k, out, meta)]})
+            if meta["expired"][0]:
+                raise self._timed_out(meta)
             if include_usage:
                 yield _event({**head, "choices": [], "usage": _usage_of(
                     [_Ended(o) for o in last.values()], meta["n"])})

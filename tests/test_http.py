@@ -354,3 +354,27 @@ def test_truncate_prompt_tokens_on_both_doors(oai, model, grpc_client):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=model, prompt="hi", extra_body={"truncate_prompt_tokens": 0})
     assert e.value.body["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_ends_http_calls_and_frees_blocks(srv, model, grpc_client, stream):
+    import dataclasses
+
+    state = srv.server.state
+    saved = state.options
+    state.options = dataclasses.replace(saved, request_timeout=1.0)
+    body = {"model": model, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    try:
+        with slow_steps(srv.engine, 0.02):
+            if stream:
+                with httpx.stream("POST", srv.http_url + "/v1/completions", json=body, timeout=60) as r:
+                    lines = [line for line in r.iter_lines() if line]
+                assert lines[-1] == "data: [DONE]"
+                error = json.loads(lines[-2].removeprefix("data: "))["error"]
+                assert error["code"] == 504 and "--request-timeout" in error["message"]
+            else:
+                r = httpx.post(srv.http_url + "/v1/completions", json=body, timeout=60)
+                assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+    finally:
+        state.options = saved
+    wait_all_blocks_free(grpc_client, timeout=30)
