@@ -41,7 +41,7 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
                   stop_token_ids: Iterable[int] = (), ignore_eos: bool = False, logprobs: bool = False,
                   top_logprobs: int | None = None, priority: int = 0, n: int | None = None,
                   include_stop_str_in_output: bool | None = None, skip_special_tokens: bool | None = None,
-                  truncate_prompt_tokens: int | None = None):
+                  truncate_prompt_tokens: int | None = None, logit_bias: dict[int, float] | None = None):
     """A GenerateRequest (or GenerateStreamRequest with stream=True). The prompt is text (str), token
     ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts.
     None leaves a field unset, so the server's default applies."""
@@ -67,6 +67,8 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
         req.stopping.max_tokens = max_tokens
     if min_tokens is not None:
         req.stopping.min_tokens = min_tokens
+    for token_id, bias in (logit_bias or {}).items():
+        req.sampling.logit_bias[token_id] = bias
     req.stopping.stop.extend(stop)
     req.stopping.stop_token_ids.extend(stop_token_ids)
     req.stopping.ignore_eos = ignore_eos

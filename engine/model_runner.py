@@ -165,6 +165,7 @@ class ModelRunner:
             all_greedy=all(is_greedy),
             generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
             banned=self._banned(seqs),
+            bias=self._bias(seqs),
             penalties=self._penalties(seqs),
             num_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=-1),
         )
@@ -181,6 +182,20 @@ class ModelRunner:
         if not rows:
             return None
         return torch.tensor(rows, device=self.device), torch.tensor(toks, device=self.device)
+
+    def _bias(self, seqs: list[Sequence]):
+        """logit_bias entries of the batch, as (rows, token ids, values); -100 and below ban (-inf)."""
+        rows, toks, values = [], [], []
+        for i, s in enumerate(seqs):
+            for t, b in s.params.logit_bias.items():
+                rows.append(i)
+                toks.append(t)
+                values.append(float("-inf") if b <= -100 else b)
+        if not rows:
+            return None
+        dev = self.device
+        return (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev),
+                torch.tensor(values, dtype=torch.float32, device=dev))
 
     def _penalties(self, seqs: list[Sequence]) -> PenaltyTensors | None:
         rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties]

@@ -26,12 +26,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text ends after the stop string, not before it
     skip_special_tokens: bool = True  # special tokens add no text (as decode's skip_special_tokens)
     truncate_prompt_tokens: int | None = None  # keep a longer prompt's last N tokens instead of refusing it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; -100 bans it
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias or {})
         check_sampling(self)  # InvalidRequestError (a ValueError) naming the option
 
     def replace(self, **changes) -> "SamplingParams":
@@ -45,7 +47,7 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that needs the sampler's tensors (penalties, logprobs); min_tokens
         depends on the sequence and is the caller's to check."""
-        return self.temperature == 0.0 and not self.logprobs and not self.needs_penalties
+        return self.temperature == 0.0 and not self.logprobs and not self.needs_penalties and not self.logit_bias
 
     @property
     def needs_penalties(self) -> bool:

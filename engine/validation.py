@@ -14,6 +14,7 @@ MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_REQUEST_ID_LEN = 256
+MAX_LOGIT_BIAS = 1024  # entries; each is applied at every step
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,11 @@ def check_sampling(p) -> None:
             raise InvalidRequestError(f"stop[{i}]", f"must be a non-empty string, got {s!r}")
     for i, t in enumerate(p.stop_token_ids):
         check_int(f"stop_token_ids[{i}]", t, lo=0)
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} entries, got {len(p.logit_bias)}")
+    for t, bias in p.logit_bias.items():
+        check_int("logit_bias", t, lo=0)
+        check_number(f"logit_bias[{t}]", bias, lo=-100.0, hi=100.0)
     for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidRequestError(name, f"must be a bool, got {getattr(p, name)!r}")
@@ -180,6 +186,9 @@ def _check_stop_sizes(params, limits: RequestLimits, vocab_size: int) -> None:
     for i, t in enumerate(params.stop_token_ids):
         if t >= vocab_size:
             raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be < vocab_size ({vocab_size}), got {t}")
+    for t in params.logit_bias:
+        if t >= vocab_size:
+            raise InvalidRequestError("logit_bias", f"token ids must be < vocab_size ({vocab_size}), got {t}")
 
 
 def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits, keep_last: int | None) -> list[int]:

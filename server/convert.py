@@ -26,7 +26,7 @@ FINISH_REASONS = {
 # The engine's field names -> the request's; the prompt's depends on which prompt the request gave.
 FIELDS = {
     **{name: f"sampling.{name}" for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
-                                             "presence_penalty", "frequency_penalty", "n")},
+                                             "presence_penalty", "frequency_penalty", "n", "logit_bias")},
     **{name: f"stopping.{name}" for name in ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
                                              "include_stop_str_in_output")},
 }
@@ -66,6 +66,8 @@ def _params(req) -> SamplingParams:
         kw[name] = getattr(st, name) if st.HasField(name) else None
     kw["min_tokens"] = kw["min_tokens"] or 0
     top_logprobs = req.top_logprobs if req.HasField("top_logprobs") else 0
+    if s.logit_bias:
+        kw["logit_bias"] = dict(s.logit_bias)
     if st.HasField("include_stop_str_in_output"):
         kw["include_stop_str_in_output"] = st.include_stop_str_in_output
     for name in ("skip_special_tokens", "truncate_prompt_tokens"):

@@ -66,8 +66,7 @@ class _Sampling(_Fields):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
-    # accepted at its default only, until the engine has it (a 400 says so otherwise)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias in [-100, 100]
 
 
 class CompletionRequest(_Sampling):
@@ -96,7 +95,7 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-_NOT_YET = {"echo": False, "logit_bias": None}
+_NOT_YET = {"echo": False}
 
 
 def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -108,6 +107,11 @@ def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> Sa
              "repetition_penalty", "min_tokens", "truncate_prompt_tokens")
     kw = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if body.logit_bias:
+        try:
+            kw["logit_bias"] = {int(t): b for t, b in body.logit_bias.items()}
+        except ValueError:
+            raise InvalidRequestError("logit_bias", "keys must be token ids (integers as strings)") from None
     return SamplingParams(**kw, max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
                           ignore_eos=body.ignore_eos, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                           skip_special_tokens=body.skip_special_tokens,

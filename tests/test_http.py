@@ -378,3 +378,22 @@ def test_request_timeout_ends_http_calls_and_frees_blocks(srv, model, grpc_clien
     finally:
         state.options = saved
     wait_all_blocks_free(grpc_client, timeout=30)
+
+
+def test_logit_bias_on_both_doors(oai, model, grpc_client):
+    """+100 makes a token the greedy choice every time; -100 bans it (OpenAI's semantics)."""
+    g = grpc_client.generate("Hello", max_tokens=8, temperature=0, ignore_eos=True, logit_bias={70: 100.0})
+    h = oai.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0,
+                               logit_bias={"70": 100}, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert list(g.token_ids) == h.choices[0].model_extra["token_ids"] == [70] * 8
+    free = grpc_client.generate("Hello", max_tokens=8, temperature=0, ignore_eos=True)
+    banned = {t: -100.0 for t in set(free.token_ids)}
+    g = grpc_client.generate("Hello", max_tokens=8, temperature=0.7, seed=1, ignore_eos=True, logit_bias=banned)
+    h = oai.completions.create(model=model, prompt="Hello", max_tokens=8, temperature=0.7, seed=1,
+                               logit_bias={str(t): b for t, b in banned.items()},
+                               extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert not set(g.token_ids) & set(banned) and list(g.token_ids) == h.choices[0].model_extra["token_ids"]
+    for bad, param in (({"x": 1}, "logit_bias"), ({"70": 101}, "logit_bias[70]"), ({"99999": 1}, "logit_bias")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.completions.create(model=model, prompt="Hello", max_tokens=2, logit_bias=bad)
+        assert e.value.body["param"] == param, e.value.body

@@ -16,6 +16,7 @@ class SamplingTensors:
     all_greedy: bool
     generators: list[tuple[int, torch.Generator]]  # seeded rows
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked to -inf (min_tokens)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, added): logit_bias
     penalties: "PenaltyTensors | None" = None
     num_top_logprobs: int = -1  # -1: no logprobs this step
 
@@ -70,6 +71,8 @@ class Sampler:
         logprobs = _logprobs(logits, t.num_top_logprobs) if t.num_top_logprobs >= 0 else None
         if t.penalties is not None:
             apply_penalties(logits, t.penalties)
+        if t.bias is not None:
+            logits.index_put_(t.bias[:2], t.bias[2], accumulate=True)
         if t.banned is not None:
             logits[t.banned] = float("-inf")
         greedy = self.argmax(logits)
