@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import Literal
 
@@ -95,14 +96,8 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-_NOT_YET = {"echo": False}
-
-
 def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams; InvalidRequestError (its field) for a bad value."""
-    for name, default in _NOT_YET.items():
-        if getattr(body, name, default) not in (default, {}):
-            raise InvalidRequestError(name, "is not supported by this server yet")
     names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
              "repetition_penalty", "min_tokens", "truncate_prompt_tokens")
     kw = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
@@ -261,10 +256,30 @@ class HttpDoor:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         def make(engine, rid):
+            if body.echo and body.logprobs is not None:
+                raise InvalidRequestError("echo", "with logprobs needs the prompt's logprobs, which this server "
+                                                  "does not compute yet")
             params = _params(body, body.max_tokens, body.logprobs)
             return [engine.make_request(p, params, f"{rid}-{i}", body.priority, limits=self.state.limits)
                     for i, p in enumerate(_prompts(body.prompt))]
         return await self._generate(body, request, make, chat=False)
+
+    def _echo(self, body, reqs) -> list[str] | None:
+        """With `echo`, each prompt's text: as given, or what its token ids spell (the one detokenizer)."""
+        if not getattr(body, "echo", False):
+            return None
+        from pagoda.engine.detokenizer import IncrementalDetokenizer
+
+        prompts, texts = _prompts(body.prompt), []
+        for prompt, req in zip(prompts, reqs):
+            if isinstance(prompt, str):
+                texts.append(prompt)
+                continue
+            d = IncrementalDetokenizer(self._token_vocab(), [])
+            for t in req.prompt_token_ids:
+                d.append(t)
+            texts.append(d.flush())
+        return texts
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         def make(engine, rid):
@@ -310,7 +325,8 @@ class HttpDoor:
             await stack.aclose()
             return _error_for(e)
         meta = {"id": rid, "created": int(time.time()), "model": self._model_id(), "n": body.n, "chat": chat,
-                "token_ids": body.return_token_ids, "expired": self._time_limit(engine, reqs, record, stack)}
+                "token_ids": body.return_token_ids, "expired": self._time_limit(engine, reqs, record, stack),
+                "echo": self._echo(body, reqs)}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._events(streams, meta, include_usage, record, stack)
@@ -360,7 +376,12 @@ class HttpDoor:
             choices: dict[int, _Choice] = {}
             async for i, out in _merged(streams):
                 record.output(out)
-                choices.setdefault(i * meta["n"] + out.index, _Choice()).add(out)
+                k = i * meta["n"] + out.index
+                if k not in choices:
+                    choices[k] = _Choice()
+                    if meta["echo"]:
+                        choices[k].text.append(meta["echo"][i])
+                choices[k].add(out)
             return choices
 
         work = asyncio.ensure_future(gather())
@@ -410,6 +431,8 @@ class HttpDoor:
             async for i, out in _merged(streams):
                 record.output(out)
                 k = i * meta["n"] + out.index
+                if meta["echo"] and k not in last:
+                    out = dataclasses.replace(out, text=meta["echo"][i] + out.text)
                 last[k] = out
                 if not (out.text or out.finished or out.token_ids):
                     continue
@@ -446,13 +469,16 @@ class HttpDoor:
 
     # ---- logprobs, with each token's text from the bytes it spells ----
 
-    def _piece(self, token_id: int) -> bytes:
+    def _token_vocab(self):
         if self._vocab is None:
             from pagoda.engine.detokenizer import TokenVocab
 
             engine = self.state.engine
             self._vocab = TokenVocab(engine.tokenizer, engine.model_info.vocab_size)
-        pieces = self._vocab.pieces
+        return self._vocab
+
+    def _piece(self, token_id: int) -> bytes:
+        pieces = self._token_vocab().pieces
         return pieces[token_id] if token_id < len(pieces) else b""
 
     def _token(self, token_id: int) -> str:

@@ -102,7 +102,7 @@ def test_n_choices_and_a_batch_of_prompts(oai, model):
 @pytest.mark.parametrize("kw,param", [
     (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=65), "n"),
     (dict(extra_body={"bogus": 1}), "bogus"), (dict(max_tokens=100000), "max_tokens"),
-    (dict(echo=True), "echo"), (dict(prompt=[]), "prompt"),
+    (dict(echo=True, logprobs=1), "echo"), (dict(prompt=[]), "prompt"),
 ])
 def test_a_bad_field_is_a_400_naming_it(oai, model, kw, param):
     kw = {"prompt": "hi", **kw}
@@ -397,3 +397,14 @@ def test_logit_bias_on_both_doors(oai, model, grpc_client):
         with pytest.raises(openai.BadRequestError) as e:
             oai.completions.create(model=model, prompt="Hello", max_tokens=2, logit_bias=bad)
         assert e.value.body["param"] == param, e.value.body
+
+
+def test_echo_puts_the_prompt_before_the_completion(oai, model):
+    kw = dict(model=model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    for prompt, spelled in (("héllo", "héllo"), ([[72, 105], [72]], "Hi")):
+        plain = oai.completions.create(prompt=prompt, **kw)
+        echoed = oai.completions.create(prompt=prompt, echo=True, **kw)
+        assert echoed.choices[0].text == spelled + plain.choices[0].text
+    echoed = oai.completions.create(prompt="héllo", echo=True, **kw)
+    chunks = list(oai.completions.create(prompt="héllo", echo=True, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
