@@ -292,14 +292,39 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-token-id", action="append", type=_ranged(int, 0, most=UINT32), default=[],
                    dest="stop_token_ids", help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--include-stop-str", action="store_true", dest="include_stop_str_in_output", default=None,
+                   help="end the text after the stop string that ended it, not before")
+    g.add_argument("--keep-special-tokens", action="store_false", dest="skip_special_tokens", default=None,
+                   help="special tokens' text stays in the completion (skip_special_tokens false)")
+    g.add_argument("--truncate-prompt-tokens", type=_field("truncate_prompt_tokens", int, most=UINT32),
+                   metavar="N", help="keep a longer prompt's last N tokens instead of being refused")
+    g.add_argument("--logit-bias", action="append", type=_logit_bias, default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (in [-100, 100]; -100 bans) to a token's logit (repeatable)")
     g.add_argument("--priority", type=_ranged(int, -INT32 - 1, INT32), default=0,
                    help="lower is scheduled first (default 0)")
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority")
-    return {n: getattr(args, n) for n in names}
+             "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority",
+             "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens")
+    return {n: getattr(args, n) for n in names} | {"logit_bias": dict(args.logit_bias)}
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    """TOKEN_ID=BIAS, checked by the engine's own rule."""
+    from pagoda.engine.errors import InvalidRequestError
+    from pagoda.engine.validation import check_int, check_number
+
+    token, _, bias = text.partition("=")
+    try:
+        pair = int(token), float(bias)
+        check_int("token id", pair[0], lo=0, hi=UINT32)
+        check_number("bias", pair[1], lo=-100.0, hi=100.0)
+    except ValueError as e:  # InvalidRequestError is one
+        why = e.message if isinstance(e, InvalidRequestError) else "must be TOKEN_ID=BIAS, e.g. 42=-100"
+        raise argparse.ArgumentTypeError(f"{why}; got {text!r}") from None
+    return pair
 
 
 def _as_dict(msg) -> dict:

@@ -2,6 +2,7 @@
 exit 2 for a usage error, 1 for a failed call) and its prompt sources, -v report, --wait and
 --version. Mostly pagoda.client.cli.main in process against an in-process server on a tiny model."""
 import importlib.metadata
+import json
 import socket
 import subprocess
 import threading
@@ -238,3 +239,14 @@ def test_wait_for_nothing_listening(capsys, closed_port):
     assert line.startswith("pagoda info: --wait 0.3: server not SERVING after 0.3s (last health check: UNAVAILABLE); "
                            f"cannot reach a pagoda server at 127.0.0.1:{closed_port}"), line
 
+
+
+def test_the_shared_options_reach_the_server(capsys, srv):
+    status, out, _ = run(capsys, "generate", "hi", "--logit-bias", "70=100", "--max-tokens", "4", "--temperature", "0",
+                         "--ignore-eos", "--json", "--target", srv.target)
+    assert status == 0 and json.loads(out)["token_ids"] == [70] * 4
+    status, out, _ = run(capsys, "generate", "x" * 600, "--truncate-prompt-tokens", "50", "--max-tokens", "2", "--json",
+                         "--target", srv.target)
+    assert status == 0 and json.loads(out)["usage"]["prompt_tokens"] == 50
+    line = usage_error(capsys, "generate", "hi", "--logit-bias", "70=500", "--target", srv.target)
+    assert line.endswith("argument --logit-bias: must be in [-100, 100], got 500.0; got '70=500'")
