@@ -577,6 +577,36 @@ async def _disconnected(request: Request) -> None:
 
 # ---- the server ----
 
+class _ChunkedBodyLimit:
+    """--max-message-bytes for a body sent without Content-Length (chunked), which the route would
+    otherwise read whole: read here up to the limit (413 past it), then handed on."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not any(k == b"content-length" for k, _ in scope["headers"]):
+            limit, size, parts = self.state.options.max_message_bytes, 0, []
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                size += len(message.get("body", b""))
+                if size > limit:
+                    response = _error(413, f"the request body is more than this server's {limit} bytes "
+                                           f"(--max-message-bytes)")
+                    return await response(scope, receive, send)
+                parts.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    break
+            whole = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+            async def replay():
+                return whole.pop() if whole else await receive()
+            return await self.app(scope, replay, send)
+        return await self.app(scope, receive, send)
+
+
 class _Uvicorn:
     """uvicorn on a socket bound here (so a port in use fails at start, with the port named), inside
     the server's own event loop; the server process keeps its own SIGTERM handling (drain)."""
@@ -631,4 +661,4 @@ def bind(host: str, port: int):
 
 
 def start(state: ServerState, host: str, port: int) -> _Uvicorn:
-    return _Uvicorn(HttpDoor(state).app, bind(host, port), state.options)
+    return _Uvicorn(_ChunkedBodyLimit(HttpDoor(state).app, state), bind(host, port), state.options)

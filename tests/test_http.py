@@ -124,6 +124,16 @@ def test_a_body_past_the_size_limit_is_413(srv, model):
     r = httpx.post(srv.http_url + "/v1/completions", json={"model": model, "prompt": "x" * (5 * 2**20)})
     assert r.status_code == 413 and "--max-message-bytes" in r.json()["error"]["message"]
 
+    def chunked(size):  # no Content-Length: the body arrives in chunks
+        body = json.dumps({"model": model, "prompt": "x" * size, "max_tokens": 1}).encode()
+        for i in range(0, len(body), 65536):
+            yield body[i:i + 65536]
+    r = httpx.post(srv.http_url + "/v1/completions", content=chunked(5 * 2**20),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-message-bytes" in r.json()["error"]["message"]
+    r = httpx.post(srv.http_url + "/v1/completions", content=chunked(10), headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
 
 def test_a_full_queue_is_429_with_retry_after():
     # one request runs, one waits (the queue's one place), a third is refused
