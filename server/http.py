@@ -329,9 +329,14 @@ class HttpDoor:
                 "echo": self._echo(body, reqs)}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._events(streams, meta, include_usage, record, stack)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            status = {"code": grpc.StatusCode.OK}
+
+            async def close():  # the call's end, however it ends: even cancelled before its first chunk
+                self._finish(record, status["code"])
+                await stack.aclose()  # closes every prompt's stream (aborting what has not finished) and the call
+            events = self._events(streams, meta, include_usage, record, status)
+            return _EventStream(events, close, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         try:
             response = await self._whole(streams, meta, request, record)
             response.headers["X-Request-Id"] = rid
@@ -417,9 +422,10 @@ class HttpDoor:
             out["token_ids"] = c.token_ids
         return out
 
-    async def _events(self, streams, meta, include_usage: bool, record, stack):
-        """The SSE stream: a chunk per output (chat: the role first), the usage chunk if asked, [DONE]."""
-        chat, code = meta["chat"], grpc.StatusCode.OK
+    async def _events(self, streams, meta, include_usage: bool, record, status: dict):
+        """The SSE stream: a chunk per output (chat: the role first), the usage chunk if asked, [DONE];
+        status["code"] says how it ended."""
+        chat = meta["chat"]
         last: dict[int, object] = {}
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": meta["id"], "object": kind, "created": meta["created"], "model": meta["model"]}
@@ -442,16 +448,13 @@ class HttpDoor:
             if include_usage:
                 yield _event({**head, "choices": [], "usage": _usage_of(
                     [_Ended(o) for o in last.values()], meta["n"])})
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+        except (asyncio.CancelledError, GeneratorExit):
+            status["code"] = grpc.StatusCode.CANCELLED
             raise
         except Exception as e:
-            code, message = status_for(e)
+            status["code"], message = status_for(e)
             yield _event({"error": {"message": message, "type": "server_error", "param": None,
-                                    "code": HTTP_STATUS.get(code, 500)}})
-        finally:
-            self._finish(record, code)
-            await stack.aclose()  # closes every prompt's stream (aborting what has not finished) and the call
+                                    "code": HTTP_STATUS.get(status["code"], 500)}})
         yield b"data: [DONE]\n\n"
 
     def _delta(self, k: int, out, meta: dict) -> dict:
@@ -499,6 +502,21 @@ class HttpDoor:
             at += len(t)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items],
                 "top_logprobs": [{self._token(t): p for t, p in lp.top} for lp in items], "text_offset": offsets}
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that runs `close` when it ends, whatever ends it (a client that leaves
+    before the first chunk included, when the body's generator never starts)."""
+
+    def __init__(self, content, close, **kw):
+        super().__init__(content, **kw)
+        self._close = close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 
 class _Ended:
