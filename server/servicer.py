@@ -112,7 +112,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                                       f"must be UTF-8")
             with state.admit(generation=record is not None) as engine:
                 yield engine
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # a stream closed at a yield ends with GeneratorExit
             remaining = context.time_remaining()
             code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
                     else grpc.StatusCode.CANCELLED)

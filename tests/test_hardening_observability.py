@@ -85,8 +85,10 @@ def test_metrics_move(srv):
                  "pagoda_queue_time_seconds", "pagoda_e2e_request_latency_seconds"):
         assert value(after, f"{hist}_count") > value(before, f"{hist}_count"), hist
         assert value(after, f"{hist}_bucket", le="+Inf") == value(after, f"{hist}_count")
+    # a sample per token after each request's first message, which carries more than one token when
+    # the consumer fell behind the engine (deltas merged): most of 8 x 59
     assert value(after, "pagoda_inter_token_latency_seconds_count") - \
-        value(before, "pagoda_inter_token_latency_seconds_count") >= 8 * 59
+        value(before, "pagoda_inter_token_latency_seconds_count") >= 8 * 50
     assert value(after, "pagoda_e2e_request_latency_seconds_sum") > value(before, "pagoda_e2e_request_latency_seconds_sum")
     assert value(after, "pagoda_generation_tokens_total") - value(before, "pagoda_generation_tokens_total") >= 8 * 60
     assert value(after, "pagoda_completion_tokens_total") - value(before, "pagoda_completion_tokens_total") >= 8 * 60
