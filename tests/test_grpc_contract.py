@@ -2,6 +2,7 @@
 presence that clients rely on. No server needed."""
 import importlib.util
 import shutil
+import os
 import subprocess
 import sys
 
@@ -178,3 +179,17 @@ def test_server_limits_match_the_engine():
     from pagoda.server import convert
 
     assert convert.MAX_TOP_LOGPROBS == MAX_TOP_LOGPROBS
+
+
+def test_one_installed_package(tmp_path):
+    """Installed, pagoda is one package: pagoda.engine, .server, .client, .v1, and no generic top-level
+    `engine`, `server` or `client` to collide with another project's modules."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def run(code):  # away from the repository, so only what is installed can be imported
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env=env)
+    assert run("import pagoda.engine, pagoda.server, pagoda.client, pagoda.v1").returncode == 0
+    for name in ("engine", "server", "client"):
+        out = run(f"import {name}")
+        assert out.returncode != 0 and f"No module named '{name}'" in out.stderr, name
