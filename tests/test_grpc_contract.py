@@ -1,8 +1,8 @@
 """The pagoda.v1 contract: stubs up to date with the .proto, buf lint (STANDARD), field names and
 presence that clients rely on. No server needed."""
 import importlib.util
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 
