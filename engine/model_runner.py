@@ -164,33 +164,26 @@ class ModelRunner:
             is_greedy=col(is_greedy, torch.bool),
             all_greedy=all(is_greedy),
             generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
-            banned=self._banned(seqs),
-            bias=self._bias(seqs),
+            logit_adds=self._logit_adds(seqs),
             penalties=self._penalties(seqs),
             num_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=-1),
         )
 
-    def _banned(self, seqs: list[Sequence]):
-        """While a sequence is under min_tokens, its EOS and stop tokens cannot be sampled."""
-        rows, toks = [], []
-        for i, s in enumerate(seqs):
-            if s.num_generated_tokens < s.params.min_tokens:
-                ids = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else s.eos_token_ids)
-                ids = [t for t in ids if t < self.vocab_size]
-                rows += [i] * len(ids)
-                toks += ids
-        if not rows:
-            return None
-        return torch.tensor(rows, device=self.device), torch.tensor(toks, device=self.device)
-
-    def _bias(self, seqs: list[Sequence]):
-        """logit_bias entries of the batch, as (rows, token ids, values); -100 and below ban (-inf)."""
+    def _logit_adds(self, seqs: list[Sequence]):
+        """What is added to single logits, as (rows, token ids, values): logit_bias (-100 and below ban,
+        -inf), and -inf for the EOS and stop tokens of a sequence still under min_tokens."""
         rows, toks, values = [], [], []
         for i, s in enumerate(seqs):
-            for t, b in s.params.logit_bias.items():
-                rows.append(i)
-                toks.append(t)
-                values.append(float("-inf") if b <= -100 else b)
+            under_min = s.num_generated_tokens < s.params.min_tokens
+            if not (s.params.logit_bias or under_min):
+                continue
+            adds = {t: float("-inf") if b <= -100 else b for t, b in s.params.logit_bias.items()}
+            if under_min:
+                ids = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else s.eos_token_ids)
+                adds.update((t, float("-inf")) for t in ids if t < self.vocab_size)
+            rows += [i] * len(adds)
+            toks += adds.keys()
+            values += adds.values()
         if not rows:
             return None
         dev = self.device

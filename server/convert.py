@@ -10,10 +10,11 @@ from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.protocol import EngineRequest
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.validation import MAX_TOP_LOGPROBS, RequestLimits
+from pagoda.server.options import ServerOptions
 from pagoda.v1 import generation_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 256  # when the request leaves stopping.max_tokens unset (capped by the context)
-DEFAULT_LIMITS = RequestLimits(max_stop_strings=16, max_stop_string_len=256, max_stop_token_ids=64)
+DEFAULT_LIMITS = ServerOptions().request_limits()  # `pagoda serve`'s, when a caller gives none
 
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,

@@ -406,7 +406,7 @@ class HttpDoor:
         body = {"id": meta["id"], "object": "chat.completion" if meta["chat"] else "text_completion",
                 "created": meta["created"], "model": meta["model"],
                 "choices": [self._choice(k, c, meta) for k, c in sorted(choices.items())],
-                "usage": _usage_of(choices.values(), meta["n"])}
+                "usage": _usage_of([c.last for c in choices.values()])}
         return _json(body)
 
     def _choice(self, index: int, c: _Choice, meta: dict) -> dict:
@@ -446,8 +446,7 @@ class HttpDoor:
             if meta["expired"][0]:
                 raise self._timed_out(meta)
             if include_usage:
-                yield _event({**head, "choices": [], "usage": _usage_of(
-                    [_Ended(o) for o in last.values()], meta["n"])})
+                yield _event({**head, "choices": [], "usage": _usage_of(list(last.values()))})
         except (asyncio.CancelledError, GeneratorExit):
             status["code"] = grpc.StatusCode.CANCELLED
             raise
@@ -519,16 +518,9 @@ class _EventStream(StreamingResponse):
             await self._close()
 
 
-class _Ended:
-    """A choice's last output, for _usage_of."""
-
-    def __init__(self, out):
-        self.last = out
-
-
-def _usage_of(choices, n: int) -> dict:
-    """OpenAI's usage: prompt tokens once per prompt, completion tokens of every choice."""
-    lasts = [c.last for c in choices if c.last is not None]
+def _usage_of(lasts: list) -> dict:
+    """OpenAI's usage from each choice's last output: prompt tokens once per prompt, completion
+    tokens of every choice."""
     prompt = sum(o.num_prompt_tokens for o in lasts if o.index == 0)
     cached = sum(o.num_cached_tokens for o in lasts if o.index == 0)
     completion = sum(o.num_generated_tokens for o in lasts)

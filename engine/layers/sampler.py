@@ -15,8 +15,8 @@ class SamplingTensors:
     is_greedy: torch.Tensor  # [num_seqs] bool
     all_greedy: bool
     generators: list[tuple[int, torch.Generator]]  # seeded rows
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked to -inf (min_tokens)
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, added): logit_bias
+    # (rows, token ids, values) added to single logits: logit_bias, -inf bans (min_tokens, bias -100)
+    logit_adds: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: "PenaltyTensors | None" = None
     num_top_logprobs: int = -1  # -1: no logprobs this step
 
@@ -71,10 +71,8 @@ class Sampler:
         logprobs = _logprobs(logits, t.num_top_logprobs) if t.num_top_logprobs >= 0 else None
         if t.penalties is not None:
             apply_penalties(logits, t.penalties)
-        if t.bias is not None:
-            logits.index_put_(t.bias[:2], t.bias[2], accumulate=True)
-        if t.banned is not None:
-            logits[t.banned] = float("-inf")
+        if t.logit_adds is not None:
+            logits.index_put_(t.logit_adds[:2], t.logit_adds[2], accumulate=True)
         greedy = self.argmax(logits)
         if t.all_greedy:
             return greedy, logprobs
