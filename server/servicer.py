@@ -141,7 +141,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             req = await asyncio.to_thread(convert.to_engine_request, request, engine, state.limits, rid)
         else:
             req = convert.to_engine_request(request, engine, state.limits, rid)
-        unfinished = req.params.n
         timeout = state.options.request_timeout
         timed_out = ServerError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request {req.request_id!r} ran past this server's time limit of {timeout:g}s "
@@ -163,7 +162,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         record.submitted()
         try:
             it = outputs.__aiter__()
-            while unfinished:
+            while True:  # until StopAsyncIteration: the front ends the stream once all n choices finished
                 if expired[0]:
                     raise timed_out
                 waiting[0] = True
@@ -180,7 +179,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     raise timed_out from None
                 finally:
                     waiting[0] = False
-                unfinished -= out.finished
                 record.output(out)
                 yield req.request_id, out
         finally:
