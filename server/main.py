@@ -249,8 +249,8 @@ async def serve(args: argparse.Namespace) -> int:
         return 1
     died = asyncio.create_task(server.died.wait())
     await asyncio.wait([stopping, died], return_when=asyncio.FIRST_COMPLETED)
-    if server.died.is_set():  # its calls have failed already: exit for the supervisor to restart us
-        await server.drain(0)
+    if server.died.is_set():  # exit for the supervisor to restart us, once the calls in flight (failing
+        await server.drain(args.grace_period)  # with UNAVAILABLE now) have ended: at once, bar a stuck one
         log.error("exiting with code 1: the engine died")
         return 1
     log.info("signal received; shutting down")
