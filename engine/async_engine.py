@@ -6,6 +6,7 @@ processor) to per-request asyncio queues, with one wake-up per event loop per st
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -91,6 +92,25 @@ class AsyncEngine:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    @functools.cached_property
+    def vocab(self):
+        """The bytes each token id spells (engine/detokenizer.py), for logprob tokens and echoed prompts."""
+        from pagoda.engine.detokenizer import TokenVocab
+
+        return TokenVocab(self.tokenizer, self.model_info.vocab_size)
+
+    def prompt_text(self, req: EngineRequest) -> str:
+        """A request's prompt as text: as the caller wrote it, or what its token ids spell (a prompt given
+        as ids, rendered from messages or truncated), through the one detokenizer."""
+        if req.prompt_text is not None:
+            return req.prompt_text
+        from pagoda.engine.detokenizer import IncrementalDetokenizer
+
+        d = IncrementalDetokenizer(self.vocab, [], req.params.skip_special_tokens)
+        for t in req.prompt_token_ids:
+            d.append(t)
+        return d.flush()
 
     def stats(self):
         """The snapshot taken after the latest step (uptime read now)."""
@@ -208,3 +228,38 @@ def hand_over(outbox) -> None:
 def _put_all(items) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(which stream, output) from several requests' streams (the prompts of one call), as they come;
+    the first error raised by one is raised here. The caller closes the streams afterwards."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # before the streams themselves are closed

@@ -120,6 +120,7 @@ class LLMEngine:
                            params.max_tokens, priority=req.priority, eos_token_ids=self.eos_token_ids,
                            request_id=req.request_id, index=i, stream=req.stream)
             seq.arrival_time = req.arrival_time
+            seq.bad_words = req.bad_words_token_ids
             seq.detokenizer = IncrementalDetokenizer(self.vocab, req.prompt_token_ids,
                                                      params.skip_special_tokens)
             if params.seed is not None:
@@ -160,7 +161,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         try:
-            tokens, logprobs = self.runner.run(sched)
+            result = self.runner.run(sched)
         except Exception as e:
             log.exception("engine step failed; failing its %d requests", len(sched.seqs))
             for seq in sched.seqs:
@@ -170,10 +171,12 @@ class LLMEngine:
             return step_outputs(sched.seqs)
         self.num_prompt_tokens_processed += sum(
             n for s, n in zip(sched.seqs, sched.num_new_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
-        updated = self.scheduler.postprocess(sched, tokens)
+        for seq, lps in result.prompt_logprobs:
+            seq.prompt_logprobs += lps
+        updated = self.scheduler.postprocess(sched, result.tokens)
         self.num_generated_tokens += len(updated)
-        if logprobs is not None:
-            for seq, lp in zip(updated, logprobs):
+        if result.logprobs is not None:
+            for seq, lp in zip(updated, result.logprobs):
                 if lp is not None:
                     seq.logprobs.append(TokenLogprob(seq.token_ids[-1], lp[0], lp[1]))
         self._forget([s for s in updated if s.is_finished])

@@ -1,5 +1,6 @@
 """Runs one scheduled step: builds the flat batch, runs the model, samples the next tokens."""
 import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -7,6 +8,7 @@ import torch
 from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
+from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.engine.sequence import Sequence
 
@@ -76,25 +78,50 @@ class ModelRunner:
         return self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])  # [num_sampled, vocab]
 
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput) -> tuple[list[int], list | None]:
+    def run(self, sched: SchedulerOutput) -> "StepResult":
         input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
         seqs, sampling = sched.seqs, sched.sampling
         sample_seqs = seqs if all(sampling) else [s for s, x in zip(seqs, sampling) if x]
-        graphs = self.decode_graphs
-        if not sample_seqs:
+        scored = _prompt_rows(sched)  # prompt positions whose logprobs were asked for (rarely any)
+        graphs, prompt_lps = self.decode_graphs, []
+        if not sample_seqs and not scored:
             self.model(input_ids, positions, meta)  # prefill chunks only: nothing to sample
-            return [], None
-        if graphs is not None and meta.num_decode_tokens == len(seqs) <= graphs.max_batch:
+            return StepResult([])
+        if graphs is not None and not scored and meta.num_decode_tokens == len(seqs) <= graphs.max_batch:
             logits = graphs.run(input_ids, positions, meta)  # a decode row per sequence
             logits = logits if logits_idx is None else logits[logits_idx]
         else:
-            logits = self._eager_logits(input_ids, positions, meta, logits_idx)
+            hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+            prompt_lps = [(seq, self._scored_logprobs(hidden[a:b], targets, seq.params.prompt_logprobs))
+                          for seq, a, b, targets in scored]
+            if not sample_seqs:
+                return StepResult([], None, prompt_lps)
+            logits = self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])
         if all(s.params.is_plain_greedy and s.num_generated_tokens >= s.params.min_tokens for s in sample_seqs):
-            return self.sampler.argmax(logits.float()).tolist(), None  # the step's one host-device sync
+            return StepResult(self.sampler.argmax(logits.float()).tolist(), None, prompt_lps)  # the one sync
         tokens, lp = self.sampler(logits, self._sampling_tensors(sample_seqs))
         if lp is None:
-            return tokens.tolist(), None  # the step's one host-device sync
-        return tokens.tolist(), _logprob_lists(lp, tokens, sample_seqs)
+            return StepResult(tokens.tolist(), None, prompt_lps)  # the step's one host-device sync
+        return StepResult(tokens.tolist(), _logprob_lists(lp, tokens, sample_seqs), prompt_lps)
+
+    def _scored_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int, rows: int = 256) -> list[TokenLogprob]:
+        """The logprob of each target token after each hidden row (with the top k), a few rows at a time
+        (a long prompt's logits would not fit at once)."""
+        out = []
+        for a in range(0, len(targets), rows):
+            # lp: [rows, vocab]
+            lp = self.model.compute_logits(hidden[a:a + rows]).float().log_softmax(dim=-1)
+            ids = targets[a:a + rows]
+            chosen = lp.gather(1, torch.tensor(ids, device=lp.device)[:, None])  # [rows, 1]
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+            chosen = chosen[:, 0].tolist()
+            if k:
+                top = lp.topk(k, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            else:
+                tops = [[] for _ in ids]
+            out += [TokenLogprob(t, c, top, r) for t, c, top, r in zip(ids, chosen, tops, ranks)]
+        return out
 
     def _prepare_inputs(self, sched: SchedulerOutput):
         seqs, bs = sched.seqs, self.block_size
@@ -171,13 +198,15 @@ class ModelRunner:
 
     def _logit_adds(self, seqs: list[Sequence]):
         """What is added to single logits, as (rows, token ids, values): logit_bias (-100 and below ban,
-        -inf), and -inf for the EOS and stop tokens of a sequence still under min_tokens."""
+        -inf), -inf for a token that would complete a bad word, and for the EOS and stop tokens of a
+        sequence still under min_tokens."""
         rows, toks, values = [], [], []
         for i, s in enumerate(seqs):
             under_min = s.num_generated_tokens < s.params.min_tokens
-            if not (s.params.logit_bias or under_min):
+            if not (s.params.logit_bias or under_min or s.bad_words):
                 continue
             adds = {t: float("-inf") if b <= -100 else b for t, b in s.params.logit_bias.items()}
+            adds.update((t, float("-inf")) for t in _bad_word_ends(s) if t < self.vocab_size)
             if under_min:
                 ids = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else s.eos_token_ids)
                 adds.update((t, float("-inf")) for t in ids if t < self.vocab_size)
@@ -229,6 +258,39 @@ def _decode_groups(context_lens: np.ndarray, block_size: int, num_groups: int = 
         return ()
     bounds = np.linspace(0, n, num_groups + 1).astype(int)
     return tuple((int(a), int(b), -(-int(context_lens[a]) // block_size)) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # one per sampling sequence, in the step's order
+    logprobs: list | None = None  # per sampling sequence: (chosen logprob, top pairs) or None
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)  # new this step
+
+
+def _prompt_rows(sched: SchedulerOutput) -> list[tuple[Sequence, int, int, list[int]]]:
+    """Per sequence that wants prompt logprobs not yet computed: the rows [a, b) of the step's flat
+    batch whose logits score prompt tokens, and those tokens (each row scores the token after it;
+    tokens already scored before a preemption are not scored again)."""
+    out, row = [], 0
+    for seq, n in zip(sched.seqs, sched.num_new_tokens):
+        if seq.needs_prompt_logprobs:
+            start = seq.num_computed_tokens
+            first = max(start + 1, len(seq.prompt_logprobs) + 1)  # prompt token index to score first
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if first <= last:
+                out.append((seq, row + first - 1 - start, row + last - start, seq.token_ids[first:last + 1]))
+        row += n
+    return out
+
+
+def _bad_word_ends(seq: Sequence) -> list[int]:
+    """The tokens that would complete one of seq's bad words after what it has generated."""
+    out, generated = [], seq.num_generated_tokens
+    for ids in seq.bad_words:
+        k = len(ids) - 1
+        if k == 0 or (k <= generated and seq.token_ids[-k:] == ids[:-1]):
+            out.append(ids[-1])
+    return out
 
 
 def _logprob_lists(lp, tokens: torch.Tensor, seqs: list[Sequence]):

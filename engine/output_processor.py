@@ -41,7 +41,8 @@ def _output(seq: Sequence) -> RequestOutput:
         finish_reason=reason.public if reason else None, stop_reason=reason.value if reason else None,
         num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=num_generated,
         num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics(),
-        logprobs=seq.logprobs[sent:num_generated] if seq.params.logprobs else None)
+        logprobs=seq.logprobs[sent:num_generated] if seq.params.logprobs else None,
+        prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None and not sent else None)
     seq.num_text_sent, seq.num_tokens_sent = end, num_generated
     return out
 
@@ -55,7 +56,8 @@ def sendable_end(length: int, num_sent: int, stop: list[str]) -> int:
 def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one completion as one: b's cumulative counts and state."""
     logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=logprobs)
+    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=logprobs,
+                               prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
 
 
 def full_output(prompt_token_ids: list[int], choices: list[RequestOutput]) -> RequestOutput:

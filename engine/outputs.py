@@ -7,6 +7,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # 1 for the most likely token; set for prompt logprobs
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class RequestOutput:
     choices: list["RequestOutput"] = field(default_factory=list)  # LLM.generate: all n completions
     metrics: RequestMetrics | None = None
     prompt_token_ids: list[int] = field(default_factory=list)  # filled by LLM.generate
+    # with params.prompt_logprobs, in a completion's first output: one per prompt token, None for the
+    # first (nothing precedes it to predict it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def outputs(self) -> list["RequestOutput"]:

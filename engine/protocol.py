@@ -24,6 +24,8 @@ class EngineRequest:
     priority: int = 0
     stream: bool = True  # False: one output per choice, when it finishes (offline generate)
     arrival_time: float = field(default_factory=time.monotonic)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    prompt_text: str | None = None  # the prompt as the caller wrote it, when given as whole text
 
 
 @dataclass(frozen=True)

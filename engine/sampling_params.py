@@ -27,6 +27,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # special tokens add no text (as decode's skip_special_tokens)
     truncate_prompt_tokens: int | None = None  # keep a longer prompt's last N tokens instead of refusing it
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; -100 bans it
+    bad_words: list[str] = field(default_factory=list)  # never generated (as vLLM: with or without a leading space)
+    prompt_logprobs: int | None = None  # each prompt token's logprob, with this many top alternatives
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -34,6 +36,9 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.logit_bias = dict(self.logit_bias or {})
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words)
         check_sampling(self)  # InvalidRequestError (a ValueError) naming the option
 
     def replace(self, **changes) -> "SamplingParams":
@@ -47,7 +52,8 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing that needs the sampler's tensors (penalties, logprobs); min_tokens
         depends on the sequence and is the caller's to check."""
-        return self.temperature == 0.0 and not self.logprobs and not self.needs_penalties and not self.logit_bias
+        return (self.temperature == 0.0 and not self.logprobs and not self.needs_penalties and not self.logit_bias
+                and not self.bad_words)
 
     @property
     def needs_penalties(self) -> bool:

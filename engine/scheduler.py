@@ -85,9 +85,12 @@ class Scheduler:
         # Strict order: if the head does not fit, nothing behind it jumps the queue.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.block_manager.match_prefix(seq)
-            if self.block_manager.prefix_in_flight(seq, hits):
-                break  # its prefix is being computed: next step it is a cache hit
+            if seq.needs_prompt_logprobs:  # every prompt position's logits are needed: no cached prefix
+                hits = []
+            else:
+                hits = self.block_manager.match_prefix(seq)
+                if self.block_manager.prefix_in_flight(seq, hits):
+                    break  # its prefix is being computed: next step it is a cache hit
             cached = len(hits) * self.block_manager.block_size
             n = min(seq.num_tokens - cached, budget)
             if not self.block_manager.can_allocate(seq, cached + n, hits):

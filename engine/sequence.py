@@ -68,6 +68,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained content hashes of full blocks of token_ids (a memo)
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
         self.logprobs: list = []
+        self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1, 2, ... (the first has no context)
+        self.bad_words: list[list[int]] = []  # token ids of the words it must not generate
         self.detokenizer = None  # set by the engine
         self.generator = None  # torch.Generator when params.seed is set
         self.stream = stream  # outputs every step, or only when finished (output_processor)
@@ -85,6 +87,11 @@ class Sequence:
     @property
     def generated_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are not computed yet (so no prefix-cache hits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def metrics(self) -> RequestMetrics:
         return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time)

@@ -15,6 +15,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_REQUEST_ID_LEN = 256
 MAX_LOGIT_BIAS = 1024  # entries; each is applied at every step
+MAX_BAD_WORDS = 256  # each is checked against the sequence's tail at every step
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ FIELD_RULES = {
     "min_tokens": lambda v: check_int("min_tokens", v, lo=0),
     "top_logprobs": lambda v: check_int("top_logprobs", v, lo=0, hi=MAX_TOP_LOGPROBS),
     "truncate_prompt_tokens": lambda v: v is None or check_int("truncate_prompt_tokens", v, lo=1),
+    "prompt_logprobs": lambda v: v is None or check_int("prompt_logprobs", v, lo=0, hi=MAX_TOP_LOGPROBS),
 }
 
 
@@ -121,6 +123,11 @@ def check_sampling(p) -> None:
     for t, bias in p.logit_bias.items():
         check_int("logit_bias", t, lo=0)
         check_number(f"logit_bias[{t}]", bias, lo=-100.0, hi=100.0)
+    if len(p.bad_words) > MAX_BAD_WORDS:
+        raise InvalidRequestError("bad_words", f"must hold at most {MAX_BAD_WORDS} words, got {len(p.bad_words)}")
+    for i, w in enumerate(p.bad_words):
+        if not isinstance(w, str) or not w.strip():
+            raise InvalidRequestError(f"bad_words[{i}]", f"must be a string with a non-space character, got {w!r}")
     for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidRequestError(name, f"must be a bool, got {getattr(p, name)!r}")
@@ -169,7 +176,21 @@ def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: s
         raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
     if max_tokens != params.max_tokens:
         params = params.replace(max_tokens=max_tokens)
-    return EngineRequest(request_id, ids, params, priority, stream)
+    bad = bad_words_token_ids(params.bad_words, tokenizer)
+    text = prompt if isinstance(prompt, str) and not params.truncate_prompt_tokens else None
+    return EngineRequest(request_id, ids, params, priority, stream, bad_words_token_ids=bad, prompt_text=text)
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """Each bad word's token ids, spelled alone and after a space (as it would follow another word):
+    the sampler bans a sequence's next token where it would complete one of them."""
+    out: list[list[int]] = []
+    for word in words:
+        for spelling in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(spelling, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def _check_stop_sizes(params, limits: RequestLimits, vocab_size: int) -> None:

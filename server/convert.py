@@ -9,7 +9,8 @@ from __future__ import annotations
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.protocol import EngineRequest
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.validation import MAX_TOP_LOGPROBS, RequestLimits
+from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
+                                     new_request_id)
 from pagoda.server.options import ServerOptions
 from pagoda.v1 import generation_pb2 as pb
 
@@ -27,36 +28,62 @@ FINISH_REASONS = {
 # The engine's field names -> the request's; the prompt's depends on which prompt the request gave.
 FIELDS = {
     **{name: f"sampling.{name}" for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
-                                             "presence_penalty", "frequency_penalty", "n", "logit_bias")},
+                                             "presence_penalty", "frequency_penalty", "n", "logit_bias",
+                                             "bad_words")},
     **{name: f"stopping.{name}" for name in ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
                                              "include_stop_str_in_output")},
 }
 PROMPT_FIELDS = {"text": "text", "token_ids": "token_ids.ids", "messages": "messages"}
 
 
-def grpc_error(e: InvalidRequestError, prompt: str | None) -> InvalidRequestError:
-    """The error under the request's name for its field (`prompt`: the prompt oneof given)."""
+def grpc_error(e: InvalidRequestError, prompt: str | None, where: str = "") -> InvalidRequestError:
+    """The error under the request's name for its field (`prompt`: the prompt oneof given; `where`: the
+    path of that prompt among several, e.g. "prompts.prompts[2].")."""
     base, bracket, index = e.field.partition("[")
-    if base in ("prompt", "prompt_token_ids") and prompt is not None:
-        name = PROMPT_FIELDS[prompt]
+    if base in ("prompt", "prompt_token_ids"):
+        name = where + (PROMPT_FIELDS[prompt] if prompt is not None else "prompt")
+    elif base.split(".")[0] in PROMPT_FIELDS:  # a part of the prompt: messages.messages[0].role
+        name = where + base
     else:
         name = FIELDS.get(base, base)
     return e.renamed(name + bracket + index)
 
 
-def to_engine_request(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine,
-                      limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None) -> EngineRequest:
-    """A Generate(Stream)Request, checked and tokenized (engine.make_request); raises
-    InvalidRequestError naming the request's field. `request_id` (e.g. from x-request-id metadata)
-    applies when the request's own is empty. Rendering and tokenizing a long prompt takes a while:
-    the servicer calls this in a thread for large prompts."""
+def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine,
+                       limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None) -> list[EngineRequest]:
+    """A Generate(Stream)Request as checked, tokenized requests (engine.make_request): one, or one per
+    prompt of `prompts` (ids suffixed -0, -1, ...). Raises InvalidRequestError naming the request's
+    field. `request_id` (e.g. from x-request-id metadata) applies when the request's own is empty.
+    Rendering and tokenizing a long prompt takes a while: the servicer calls this in a thread for
+    large prompts."""
     which = req.WhichOneof("prompt")
+    rid = req.request_id or request_id
     try:
         params = _params(req)
-        return engine.make_request(_prompt(req, which, engine), params, req.request_id or request_id, req.priority,
-                                   limits=limits, default_max_tokens=DEFAULT_MAX_TOKENS)
     except InvalidRequestError as e:
         raise grpc_error(e, which) from None
+    if which != "prompts":
+        return [_request(req, which, "", params, rid, req, engine, limits)]
+    prompts = req.prompts.prompts
+    if not prompts:
+        raise InvalidRequestError("prompts.prompts", "must hold at least one prompt")
+    rid = rid or new_request_id()
+    return [_request(p, p.WhichOneof("prompt"), f"prompts.prompts[{i}].", params, f"{rid}-{i}", req, engine, limits)
+            for i, p in enumerate(prompts)]
+
+
+def to_engine_request(req, engine, limits: RequestLimits = DEFAULT_LIMITS,
+                      request_id: str | None = None) -> EngineRequest:
+    """The request of a single-prompt Generate(Stream)Request."""
+    return to_engine_requests(req, engine, limits, request_id)[0]
+
+
+def _request(source, which, where: str, params, rid, req, engine, limits) -> EngineRequest:
+    try:
+        return engine.make_request(_prompt(source, which, engine), params, rid, req.priority,
+                                   limits=limits, default_max_tokens=DEFAULT_MAX_TOKENS)
+    except InvalidRequestError as e:
+        raise grpc_error(e, which, where) from None
 
 
 def _params(req) -> SamplingParams:
@@ -71,7 +98,9 @@ def _params(req) -> SamplingParams:
         kw["logit_bias"] = dict(s.logit_bias)
     if st.HasField("include_stop_str_in_output"):
         kw["include_stop_str_in_output"] = st.include_stop_str_in_output
-    for name in ("skip_special_tokens", "truncate_prompt_tokens"):
+    if s.bad_words:
+        kw["bad_words"] = list(s.bad_words)
+    for name in ("skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"):
         if req.HasField(name):
             kw[name] = getattr(req, name)
     return SamplingParams(**kw, stop=list(st.stop), stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
@@ -81,7 +110,7 @@ def _params(req) -> SamplingParams:
 def _prompt(req, which: str | None, engine) -> str | list[int]:
     """The text as is (the engine tokenizes it), the token ids, or the messages through the chat template."""
     if which is None:
-        raise InvalidRequestError("prompt", "must be set: one of text, token_ids, messages")
+        raise InvalidRequestError("prompt", "must be set: one of text, token_ids, messages, prompts")
     if which == "text":
         return req.text
     if which == "token_ids":
@@ -119,10 +148,16 @@ def logprobs(items) -> list[pb.TokenLogprob]:
             for lp in items or ()]
 
 
-def stream_response(request_id: str, out) -> pb.GenerateStreamResponse:
+def prompt_logprobs(items) -> list[pb.TokenLogprob]:
+    """An output's prompt logprobs without the first token's (None: nothing predicts it)."""
+    return logprobs((items or [None])[1:])
+
+
+def stream_response(request_id: str, out, prompt_index: int = 0) -> pb.GenerateStreamResponse:
     """One engine delta as a stream message; finish_reason and usage only on the last one."""
     msg = pb.GenerateStreamResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                    logprobs=logprobs(out.logprobs), index=out.index)
+                                    logprobs=logprobs(out.logprobs), index=out.index, prompt_index=prompt_index,
+                                    prompt_logprobs=prompt_logprobs(out.prompt_logprobs))
     if out.finished:
         msg.finish_reason = finish_reason(out)
         msg.usage.CopyFrom(usage(out))
@@ -156,6 +191,10 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits
             max_message_bytes=max_message_bytes,
             max_concurrent_streams=max_concurrent_streams,
             request_timeout_seconds=request_timeout,
+            max_logit_bias=MAX_LOGIT_BIAS,
+            max_bad_words=MAX_BAD_WORDS,
+            max_n=MAX_N,
+            max_prompt_logprobs=MAX_TOP_LOGPROBS,
         ),
     )
 

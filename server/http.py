@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Literal
 
 import grpc
@@ -22,7 +22,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.engine.async_engine import merge_streams
 from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.validation import new_request_id
 from pagoda.server import convert
@@ -68,6 +70,8 @@ class _Sampling(_Fields):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias in [-100, 100]
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, with this many alternatives
 
 
 class CompletionRequest(_Sampling):
@@ -96,11 +100,14 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams; InvalidRequestError (its field) for a bad value."""
     names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-             "repetition_penalty", "min_tokens", "truncate_prompt_tokens")
+             "repetition_penalty", "min_tokens", "truncate_prompt_tokens", "prompt_logprobs")
     kw = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+    if prompt_logprobs is not None:
+        kw["prompt_logprobs"] = max(prompt_logprobs, kw.get("prompt_logprobs") or 0)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if body.logit_bias:
         try:
@@ -109,7 +116,7 @@ def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> Sa
             raise InvalidRequestError("logit_bias", "keys must be token ids (integers as strings)") from None
     return SamplingParams(**kw, max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
                           ignore_eos=body.ignore_eos, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
-                          skip_special_tokens=body.skip_special_tokens,
+                          skip_special_tokens=body.skip_special_tokens, bad_words=body.bad_words or [],
                           include_stop_str_in_output=body.include_stop_str_in_output)
 
 
@@ -157,12 +164,31 @@ class _Choice:
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs, self.last = [], [], [], None
+        self.prompt_logprobs = None  # from the first output
 
     def add(self, out) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs or [])
         self.last = out
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """A prompt echoed before its completions (`echo`)."""
+    text: str
+    token_ids: list[int]
+
+
+def _echoed(echo: _Echo | None, prompt_logprobs) -> list:
+    """The echoed prompt's logprob entries (the first token has none: null logprob and top), before the
+    completion's; none without echo."""
+    if echo is None:
+        return []
+    lps = prompt_logprobs or [None] * len(echo.token_ids)
+    return [lp or TokenLogprob(t, None, None) for t, lp in zip(echo.token_ids, lps)]
 
 
 def _finish_reason(out) -> str | None:
@@ -175,7 +201,6 @@ class HttpDoor:
     def __init__(self, state: ServerState):
         self.state = state
         self._key = key_digest(state.options.api_key) if state.options.api_key else None
-        self._vocab = None
         self.app = FastAPI(title="pagoda", openapi_url=None, docs_url=None, redoc_url=None)
         self.app.add_exception_handler(RequestValidationError, self._invalid_body)
         self.app.add_exception_handler(StarletteHTTPException, self._no_route)
@@ -256,30 +281,12 @@ class HttpDoor:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         def make(engine, rid):
-            if body.echo and body.logprobs is not None:
-                raise InvalidRequestError("echo", "with logprobs needs the prompt's logprobs, which this server "
-                                                  "does not compute yet")
-            params = _params(body, body.max_tokens, body.logprobs)
+            # echo with logprobs: the prompt's tokens come with theirs (the first one's null)
+            echoed = body.logprobs if body.echo and body.logprobs is not None else None
+            params = _params(body, body.max_tokens, body.logprobs, prompt_logprobs=echoed)
             return [engine.make_request(p, params, f"{rid}-{i}", body.priority, limits=self.state.limits)
                     for i, p in enumerate(_prompts(body.prompt))]
         return await self._generate(body, request, make, chat=False)
-
-    def _echo(self, body, reqs) -> list[str] | None:
-        """With `echo`, each prompt's text: as given, or what its token ids spell (the one detokenizer)."""
-        if not getattr(body, "echo", False):
-            return None
-        from pagoda.engine.detokenizer import IncrementalDetokenizer
-
-        prompts, texts = _prompts(body.prompt), []
-        for prompt, req in zip(prompts, reqs):
-            if isinstance(prompt, str):
-                texts.append(prompt)
-                continue
-            d = IncrementalDetokenizer(self._token_vocab(), [])
-            for t in req.prompt_token_ids:
-                d.append(t)
-            texts.append(d.flush())
-        return texts
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Response:
         def make(engine, rid):
@@ -326,7 +333,8 @@ class HttpDoor:
             return _error_for(e)
         meta = {"id": rid, "created": int(time.time()), "model": self._model_id(), "n": body.n, "chat": chat,
                 "token_ids": body.return_token_ids, "expired": self._time_limit(engine, reqs, record, stack),
-                "echo": self._echo(body, reqs)}
+                "echo": [_Echo(engine.prompt_text(r), r.prompt_token_ids) for r in reqs] if getattr(
+                    body, "echo", False) else None, "prompt_logprobs": body.prompt_logprobs is not None}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             status = {"code": grpc.StatusCode.OK}
@@ -379,13 +387,12 @@ class HttpDoor:
         """Every choice to its end; a client that disconnects first aborts them all."""
         async def gather():
             choices: dict[int, _Choice] = {}
-            async for i, out in _merged(streams):
+            async for i, out in merge_streams(streams):
                 record.output(out)
                 k = i * meta["n"] + out.index
                 if k not in choices:
                     choices[k] = _Choice()
-                    if meta["echo"]:
-                        choices[k].text.append(meta["echo"][i])
+                    choices[k].prompt = meta["echo"][i] if meta["echo"] else None
                 choices[k].add(out)
             return choices
 
@@ -416,8 +423,14 @@ class HttpDoor:
                    "logprobs": self._chat_logprobs(c.logprobs) if c.last.logprobs is not None else None,
                    "finish_reason": finish}
         else:
-            out = {"index": index, "text": text, "finish_reason": finish,
-                   "logprobs": self._completion_logprobs(c.logprobs) if c.last.logprobs is not None else None}
+            echo = c.prompt
+            logprobs = None
+            if c.last.logprobs is not None:
+                logprobs = self._completion_logprobs(_echoed(echo, c.prompt_logprobs) + c.logprobs)
+            out = {"index": index, "text": (echo.text if echo else "") + text, "finish_reason": finish,
+                   "logprobs": logprobs}
+        if meta["prompt_logprobs"]:
+            out["prompt_logprobs"] = self._prompt_logprobs(c.prompt_logprobs)
         if meta["token_ids"]:
             out["token_ids"] = c.token_ids
         return out
@@ -434,15 +447,15 @@ class HttpDoor:
                 for k in range(len(streams) * meta["n"]):
                     yield _event({**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]})
-            async for i, out in _merged(streams):
+            async for i, out in merge_streams(streams):
                 record.output(out)
                 k = i * meta["n"] + out.index
-                if meta["echo"] and k not in last:
-                    out = dataclasses.replace(out, text=meta["echo"][i] + out.text)
+                first = k not in last
                 last[k] = out
-                if not (out.text or out.finished or out.token_ids):
+                if not (out.text or out.finished or out.token_ids or first):
                     continue
-                yield _event({**head, "choices": [self._delta(k, out, meta)]})
+                yield _event({**head, "choices": [self._delta(k, out, meta, meta["echo"][i] if first and
+                                                              meta["echo"] else None)]})
             if meta["expired"][0]:
                 raise self._timed_out(meta)
             if include_usage:
@@ -456,31 +469,29 @@ class HttpDoor:
                                     "code": HTTP_STATUS.get(status["code"], 500)}})
         yield b"data: [DONE]\n\n"
 
-    def _delta(self, k: int, out, meta: dict) -> dict:
+    def _delta(self, k: int, out, meta: dict, echo: "_Echo | None" = None) -> dict:
+        """One output as a chunk; a completion's first chunk also carries the echoed prompt."""
         finish = _finish_reason(out)
         if meta["chat"]:
             delta = {"index": k, "delta": {"content": out.text} if out.text else {},
                      "logprobs": self._chat_logprobs(out.logprobs) if out.logprobs is not None else None,
                      "finish_reason": finish}
         else:
-            delta = {"index": k, "text": out.text, "finish_reason": finish,
-                     "logprobs": self._completion_logprobs(out.logprobs) if out.logprobs is not None else None}
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = self._completion_logprobs(_echoed(echo, out.prompt_logprobs) + out.logprobs)
+            delta = {"index": k, "text": (echo.text if echo else "") + out.text, "finish_reason": finish,
+                     "logprobs": logprobs}
+        if meta["prompt_logprobs"] and out.prompt_logprobs is not None:
+            delta["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
         if meta["token_ids"]:
             delta["token_ids"] = out.token_ids
         return delta
 
     # ---- logprobs, with each token's text from the bytes it spells ----
 
-    def _token_vocab(self):
-        if self._vocab is None:
-            from pagoda.engine.detokenizer import TokenVocab
-
-            engine = self.state.engine
-            self._vocab = TokenVocab(engine.tokenizer, engine.model_info.vocab_size)
-        return self._vocab
-
     def _piece(self, token_id: int) -> bytes:
-        pieces = self._token_vocab().pieces
+        pieces = self.state.engine.vocab.pieces
         return pieces[token_id] if token_id < len(pieces) else b""
 
     def _token(self, token_id: int) -> str:
@@ -500,7 +511,19 @@ class HttpDoor:
             offsets.append(at)
             at += len(t)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items],
-                "top_logprobs": [{self._token(t): p for t, p in lp.top} for lp in items], "text_offset": offsets}
+                "top_logprobs": [None if lp.top is None else {self._token(t): p for t, p in lp.top} for lp in items],
+                "text_offset": offsets}
+
+    def _prompt_logprobs(self, items) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank,
+        decoded_token}} for the token itself and the top alternatives."""
+        if items is None:
+            return None
+
+        def entries(lp):
+            pairs = {lp.token_id: (lp.logprob, lp.rank), **{t: (p, r) for r, (t, p) in enumerate(lp.top, 1)}}
+            return {str(t): {"logprob": p, "rank": r, "decoded_token": self._token(t)} for t, (p, r) in pairs.items()}
+        return [None if lp is None else entries(lp) for lp in items]
 
 
 class _EventStream(StreamingResponse):
@@ -541,40 +564,6 @@ def _big(body) -> bool:
         return sum(map(len, text)) > 4096
     msgs = getattr(body, "messages", None) or []
     return sum(len(m.content) if isinstance(m.content, str) else 64 for m in msgs) > 4096
-
-
-async def _merged(streams):
-    """(prompt index, output) from every prompt's stream, as they come."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i, stream):
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        open_streams = len(tasks)
-        while open_streams:
-            i, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)  # before the streams themselves are closed
 
 
 async def _disconnected(request: Request) -> None:

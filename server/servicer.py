@@ -21,6 +21,7 @@ import time
 
 import grpc
 
+from pagoda.engine.async_engine import merge_streams
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.validation import MAX_REQUEST_ID_LEN, new_request_id
 from pagoda.server import convert
@@ -130,20 +131,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 record.finish(code.name, metrics)
 
     async def _generate(self, engine, request, context, record):
-        """Yields (request_id, engine delta) until the request finishes. Leaving early (client cancel,
-        deadline, --request-timeout, error) aborts the request in the engine so its KV blocks are freed."""
+        """Yields (prompt index, its EngineRequest, engine delta) until every prompt's request finishes.
+        Leaving early (client cancel, deadline, --request-timeout, error) aborts the requests in the
+        engine so their KV blocks are freed."""
         state = self.state
         rid = request.request_id or _metadata_request_id(context) or new_request_id()
         record.request_id = rid[:MAX_REQUEST_ID_LEN]
         if _header_safe(rid) and len(rid) <= MAX_REQUEST_ID_LEN:
             await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
         if _prompt_chars(request) > LARGE_PROMPT_CHARS:  # rendering and tokenizing a long text takes a while
-            req = await asyncio.to_thread(convert.to_engine_request, request, engine, state.limits, rid)
+            reqs = await asyncio.to_thread(convert.to_engine_requests, request, engine, state.limits, rid)
         else:
-            req = convert.to_engine_request(request, engine, state.limits, rid)
+            reqs = convert.to_engine_requests(request, engine, state.limits, rid)
         timeout = state.options.request_timeout
         timed_out = ServerError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request {req.request_id!r} ran past this server's time limit of {timeout:g}s "
+                                f"request {rid!r} ran past this server's time limit of {timeout:g}s "
                                 f"(--request-timeout) and was aborted")
         # --request-timeout: a timer, not a wait_for per token (that costs a task per token). When it
         # fires while this task waits for the engine, it cancels the wait; otherwise the loop sees the
@@ -158,10 +160,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         loop = asyncio.get_running_loop()
         timer = loop.call_at(loop.time() + max(0.0, record.t0 + timeout - time.monotonic()), expire) \
             if timeout > 0 else None
-        outputs = engine.generate(req)
-        record.submitted()
+        streams, merged = [], None
         try:
-            it = outputs.__aiter__()
+            for r in reqs:  # refusals (queue full, ...) raise here; the streams opened so far close below
+                streams.append(engine.open(r))
+            record.submitted()
+            it = merged = merge_streams(streams)
             while True:  # until StopAsyncIteration: the front ends the stream once all n choices finished
                 if expired[0]:
                     raise timed_out
@@ -179,12 +183,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     raise timed_out from None
                 finally:
                     waiting[0] = False
-                record.output(out)
-                yield req.request_id, out
+                record.output(out[1])
+                yield out[0], reqs[out[0]], out[1]
         finally:
             if timer is not None:
                 timer.cancel()
-            await outputs.aclose()  # aborts the request if it has not finished
+            if merged is not None:
+                await merged.aclose()
+            for stream in streams:
+                await stream.aclose()  # aborts the request if it has not finished
 
     def _record(self, method: str, context):
         from pagoda.server.metrics import RequestRecord
@@ -194,33 +201,40 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Generate(self, request, context):
         record = self._record("Generate", context)
         async with self._call(context, "Generate", request, record) as engine:
-            choices: dict[int, list] = {}  # index -> [texts, token ids, logprobs, last output]
-            rid = request.request_id
+            results: dict[int, _Result] = {}
             async with contextlib.aclosing(self._generate(engine, request, context, record)) as outputs:
-                async for rid, out in outputs:
-                    c = choices.setdefault(out.index, [[], [], [], None])
-                    c[0].append(out.text)
-                    c[1].extend(out.token_ids)
-                    c[2].extend(convert.logprobs(out.logprobs))
-                    c[3] = out
-            if not choices or not all(c[3].finished for c in choices.values()):
-                raise RuntimeError("the engine ended the request without a final output")
-            done = [pb.Choice(index=i, text="".join(c[0]), token_ids=c[1], finish_reason=convert.finish_reason(c[3]),
-                              logprobs=c[2]) for i, c in sorted(choices.items())]
-            first = choices[min(choices)][3]
-            usage = convert.usage(first)
-            usage.completion_tokens = sum(c[3].num_generated_tokens for c in choices.values())
-            return pb.GenerateResponse(request_id=rid, text=done[0].text, token_ids=done[0].token_ids,
-                                       finish_reason=done[0].finish_reason, usage=usage,
-                                       logprobs=done[0].logprobs, choices=done)
+                async for i, req, out in outputs:
+                    if i not in results:
+                        results[i] = _Result(req, engine.prompt_text(req) if request.echo else None)
+                    results[i].add(out)
+            responses = [results[i].response() for i in sorted(results)]
+            if len(responses) != len(request.prompts.prompts or [None]):
+                raise RuntimeError("the engine ended a request without a final output")
+            if request.WhichOneof("prompt") != "prompts":
+                return responses[0]
+            usage = pb.Usage()
+            for r in responses:
+                for name in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
+                    setattr(usage, name, getattr(usage, name) + getattr(r.usage, name))
+            call_id = responses[0].request_id.rpartition("-")[0]  # the prompts' ids are the call's + "-<i>"
+            return pb.GenerateResponse(request_id=call_id, usage=usage, results=responses)
 
     async def GenerateStream(self, request, context):
         record = self._record("GenerateStream", context)
         async with self._call(context, "GenerateStream", request, record) as engine:
+            started: set[int] = set()  # prompts whose first message went out
             async with contextlib.aclosing(self._generate(engine, request, context, record)) as outputs:
-                async for rid, out in outputs:
-                    if out.token_ids or out.text or out.finished:
-                        yield convert.stream_response(rid, out)
+                async for i, req, out in outputs:
+                    first = i not in started
+                    if out.token_ids or out.text or out.finished or (first and out.prompt_logprobs is not None):
+                        msg = convert.stream_response(req.request_id, out, i)
+                        if first and request.echo:
+                            msg.prompt_token_ids.extend(req.prompt_token_ids)
+                            msg.prompt_text = engine.prompt_text(req)
+                        if not first:
+                            del msg.prompt_logprobs[:]  # every completion brings them; the prompt's first message has them
+                        started.add(i)
+                        yield msg
 
     async def Tokenize(self, request, context):
         async with self._call(context, "Tokenize", request) as engine:
@@ -243,3 +257,37 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def GetStats(self, request, context):
         async with self._call(context, "GetStats", request) as engine:
             return convert.stats(engine.stats())
+
+
+class _Result:
+    """One prompt's completions, gathered from its outputs, as a GenerateResponse."""
+
+    def __init__(self, req, prompt_text: str | None):
+        self.req, self.prompt_text = req, prompt_text
+        self.choices: dict[int, list] = {}  # index -> [texts, token ids, logprobs, last output]
+        self.prompt_logprobs = None
+
+    def add(self, out) -> None:
+        c = self.choices.setdefault(out.index, [[], [], [], None])
+        c[0].append(out.text)
+        c[1].extend(out.token_ids)
+        c[2].extend(convert.logprobs(out.logprobs))
+        c[3] = out
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = convert.prompt_logprobs(out.prompt_logprobs)
+
+    def response(self) -> pb.GenerateResponse:
+        choices = self.choices
+        if not choices or not all(c[3].finished for c in choices.values()):
+            raise RuntimeError("the engine ended the request without a final output")
+        done = [pb.Choice(index=i, text="".join(c[0]), token_ids=c[1], finish_reason=convert.finish_reason(c[3]),
+                          logprobs=c[2]) for i, c in sorted(choices.items())]
+        usage = convert.usage(choices[min(choices)][3])
+        usage.completion_tokens = sum(c[3].num_generated_tokens for c in choices.values())
+        resp = pb.GenerateResponse(request_id=self.req.request_id, text=done[0].text, token_ids=done[0].token_ids,
+                                   finish_reason=done[0].finish_reason, usage=usage, logprobs=done[0].logprobs,
+                                   choices=done, prompt_logprobs=self.prompt_logprobs or [])
+        if self.prompt_text is not None:
+            resp.prompt_text = self.prompt_text
+            resp.prompt_token_ids.extend(self.req.prompt_token_ids)
+        return resp

@@ -119,12 +119,15 @@ def test_service_methods():
 def test_request_field_names(msg):
     d = msg.DESCRIPTOR
     prompt = d.oneofs_by_name["prompt"]
-    assert {f.name for f in prompt.fields} == {"text", "token_ids", "messages"}
+    assert {f.name for f in prompt.fields} == {"text", "token_ids", "messages", "prompts"}
+    one = d.fields_by_name["prompts"].message_type.fields_by_name["prompts"].message_type
+    assert {f.name for f in one.oneofs_by_name["prompt"].fields} == {"text", "token_ids", "messages"}
     assert [f.name for f in d.fields_by_name["token_ids"].message_type.fields] == ["ids"]
     chat = d.fields_by_name["messages"].message_type.fields_by_name["messages"].message_type
     assert {f.name for f in chat.fields} == {"role", "content"}
-    for name in ("request_id", "logprobs", "top_logprobs", "priority"):
+    for name in ("request_id", "logprobs", "top_logprobs", "priority", "echo"):
         assert name in d.fields_by_name
+    assert d.fields_by_name["prompt_logprobs"].has_presence
     sampling = d.fields_by_name["sampling"].message_type
     for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):

@@ -102,7 +102,8 @@ def test_n_choices_and_a_batch_of_prompts(oai, model):
 @pytest.mark.parametrize("kw,param", [
     (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=65), "n"),
     (dict(extra_body={"bogus": 1}), "bogus"), (dict(max_tokens=100000), "max_tokens"),
-    (dict(echo=True, logprobs=1), "echo"), (dict(prompt=[]), "prompt"),
+    (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"), (dict(prompt=[]), "prompt"),
+    (dict(extra_body={"bad_words": [" "]}), "bad_words[0]"),
 ])
 def test_a_bad_field_is_a_400_naming_it(oai, model, kw, param):
     kw = {"prompt": "hi", **kw}
