@@ -300,6 +300,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="keep a longer prompt's last N tokens instead of being refused")
     g.add_argument("--logit-bias", action="append", type=_logit_bias, default=[], metavar="TOKEN_ID=BIAS",
                    help="add BIAS (in [-100, 100]; -100 bans) to a token's logit (repeatable)")
+    g.add_argument("--bad-word", action="append", dest="bad_words", default=[], metavar="WORD",
+                   help="a word the completion must not contain (repeatable)")
     g.add_argument("--priority", type=_ranged(int, -INT32 - 1, INT32), default=0,
                    help="lower is scheduled first (default 0)")
 
@@ -307,7 +309,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority",
-             "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens")
+             "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "bad_words")
     return {n: getattr(args, n) for n in names} | {"logit_bias": dict(args.logit_bias)}
 
 
@@ -359,9 +361,9 @@ def _print_response(r, as_json: bool) -> None:
         _print_json(r)
     elif len(r.choices) > 1:  # several completions: each printed whole, in order
         for choice in r.choices:
-            print(f"--- completion {choice.index} ---\n{choice.text}")
+            print(f"--- completion {choice.index} ---\n{r.prompt_text}{choice.text}")
     else:
-        print(r.text)
+        print(r.prompt_text + r.text)
 
 
 def _print_stream(stream, as_json: bool):
@@ -374,7 +376,7 @@ def _print_stream(stream, as_json: bool):
         if as_json:
             _print_json(msg, lines=True)
         else:
-            sys.stdout.write(msg.text)
+            sys.stdout.write(msg.prompt_text + msg.text)
             sys.stdout.flush()
         if msg.finish_reason:
             ends.append((msg.index, msg.finish_reason))
@@ -406,7 +408,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.token_ids:
         prompt = _token_ids(prompt)
     kw = _sampling_kwargs(args)
-    kw.update(logprobs=args.logprobs, top_logprobs=args.top_logprobs, n=args.n)
+    kw.update(logprobs=args.logprobs, top_logprobs=args.top_logprobs, n=args.n, prompt_logprobs=args.prompt_logprobs,
+              echo=args.echo)
     with _connect(args) as c:
         if args.stream and (args.json or (args.n or 1) == 1):
             ends, usage = _print_stream(c.generate_stream(prompt, **kw), args.json)
@@ -509,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-ids", action="store_true", help="the prompt is comma-separated token ids")
     p.add_argument("--logprobs", action="store_true", help="ask for logprobs (shown with --json)")
     p.add_argument("--top-logprobs", type=_field("top_logprobs", int), default=None)
+    p.add_argument("--prompt-logprobs", type=_field("prompt_logprobs", int), default=None, metavar="K",
+                   help="ask for each prompt token's logprob with K alternatives (shown with --json)")
+    p.add_argument("--echo", action="store_true", help="print the prompt (as the model saw it) before the completion")
     p.add_argument("--json", action="store_true",
                    help="print the response as JSON (with --stream: one JSON line per message)")
     p.add_argument("-v", "--verbose", action="store_true",

@@ -41,9 +41,12 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
                   stop_token_ids: Iterable[int] = (), ignore_eos: bool = False, logprobs: bool = False,
                   top_logprobs: int | None = None, priority: int = 0, n: int | None = None,
                   include_stop_str_in_output: bool | None = None, skip_special_tokens: bool | None = None,
-                  truncate_prompt_tokens: int | None = None, logit_bias: dict[int, float] | None = None):
+                  truncate_prompt_tokens: int | None = None, logit_bias: dict[int, float] | None = None,
+                  bad_words: Iterable[str] = (), prompt_logprobs: int | None = None, echo: bool = False,
+                  prompts: Iterable[str | Sequence[int]] | None = None):
     """A GenerateRequest (or GenerateStreamRequest with stream=True). The prompt is text (str), token
-    ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts.
+    ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts; or
+    `prompts`, several texts or token id lists completed in one call (one result each, in order).
     None leaves a field unset, so the server's default applies."""
     req = pb.GenerateStreamRequest() if stream else pb.GenerateRequest()
     req.request_id = request_id
@@ -57,6 +60,14 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
     elif prompt is not None:
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(prompt)
+    if prompts is not None:
+        req.prompts.SetInParent()  # an empty list is still "prompts", which the server rejects
+        for p in prompts:
+            one = req.prompts.prompts.add()
+            if isinstance(p, str):
+                one.text = p
+            else:
+                one.token_ids.ids.extend(p)
     values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                   frequency_penalty=frequency_penalty, n=n)
@@ -69,19 +80,21 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
         req.stopping.min_tokens = min_tokens
     for token_id, bias in (logit_bias or {}).items():
         req.sampling.logit_bias[token_id] = bias
+    req.sampling.bad_words.extend(bad_words)
     req.stopping.stop.extend(stop)
     req.stopping.stop_token_ids.extend(stop_token_ids)
     req.stopping.ignore_eos = ignore_eos
     if include_stop_str_in_output is not None:
         req.stopping.include_stop_str_in_output = include_stop_str_in_output
     for name, value in (("skip_special_tokens", skip_special_tokens),
-                        ("truncate_prompt_tokens", truncate_prompt_tokens)):
+                        ("truncate_prompt_tokens", truncate_prompt_tokens), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(req, name, value)
     req.logprobs = logprobs
     if top_logprobs is not None:
         req.top_logprobs = top_logprobs
     req.priority = priority
+    req.echo = echo
     return req
 
 

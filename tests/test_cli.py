@@ -250,3 +250,16 @@ def test_the_shared_options_reach_the_server(capsys, srv):
     assert status == 0 and json.loads(out)["usage"]["prompt_tokens"] == 50
     line = usage_error(capsys, "generate", "hi", "--logit-bias", "70=500", "--target", srv.target)
     assert line.endswith("argument --logit-bias: must be in [-100, 100], got 500.0; got '70=500'")
+    status, out, _ = run(capsys, "generate", "hi", "--bad-word", "F", "--logit-bias", "70=100", "--max-tokens", "3",
+                         "--temperature", "0", "--ignore-eos", "--json", "--target", srv.target)
+    assert status == 0 and 70 not in json.loads(out)["token_ids"]  # "F" is token 70: banned despite the bias
+    status, out, _ = run(capsys, "generate", "Grüße", "--echo", "--prompt-logprobs", "1", "--max-tokens", "2", "--json",
+                         "--target", srv.target)
+    body = json.loads(out)
+    assert status == 0 and body["prompt_text"] == "Grüße" and len(body["prompt_logprobs"]) == len(
+        body["prompt_token_ids"]) - 1
+    status, out, _ = run(capsys, "generate", "Grüße", "--echo", "--max-tokens", "2", "--temperature", "0",
+                         "--target", srv.target)
+    assert status == 0 and out.startswith("Grüße")
+    line = usage_error(capsys, "generate", "hi", "--prompt-logprobs", "21", "--target", srv.target)
+    assert line.endswith("argument --prompt-logprobs: must be in [0, 20], got 21")
