@@ -276,3 +276,42 @@ def test_several_prompts_errors_name_the_prompt(client, srv):
     assert "prompts.prompts must hold at least one prompt" in e.value.details()
     assert srv.engine.num_in_flight == 0
     wait_all_blocks_free(client)
+
+
+def test_a_refused_prompt_ends_the_whole_call_and_frees_the_others():
+    """The queue holds 2: a call with 3 prompts is refused (RESOURCE_EXHAUSTED) and the 2 it had
+    queued are aborted, not left running for nobody."""
+    import threading
+    import time
+
+    from grpc_fixtures import patched_run
+
+    s = InProcessServer.for_config(engine_config(tiny_checkpoint(), max_queue_len=2)).wait_ready()
+    gate, entered = threading.Event(), threading.Event()
+
+    def wrap(run):
+        def held(*a, **kw):
+            entered.set()
+            gate.wait(30)
+            return run(*a, **kw)
+        return held
+    try:
+        with Client(s.target, timeout=60) as c, patched_run(s.engine, wrap):
+            busy = c.generate_stream("x", max_tokens=2)
+            first = threading.Thread(target=lambda: list(busy))
+            first.start()
+            assert entered.wait(30)  # the core is held inside a step: what comes now stays queued
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompts=["a", "b", "c"], max_tokens=2)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            gate.set()
+            first.join(30)
+            deadline = time.monotonic() + 30
+            while s.engine.num_in_flight and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert s.engine.num_in_flight == 0
+            wait_all_blocks_free(c)
+            assert len(c.generate(prompts=["a", "b"], max_tokens=2).results) == 2
+    finally:
+        gate.set()
+        s.stop()
