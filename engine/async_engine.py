@@ -17,6 +17,7 @@ from pagoda.engine.output_processor import merge
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.protocol import Abort, CoreFailed, EngineRequest, Queued, StepReport
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.structured import GrammarCompiler
 from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits, make_request
 
 
@@ -29,6 +30,10 @@ class AsyncEngine:
         ready = self._transport.ready
         self.config, self.model_info, self.tokenizer = ready.config, ready.model_info, ready.tokenizer
         self._model = ModelLimits(self.model_info.vocab_size, self.model_info.max_model_len)
+        # an in-thread core shares its compiler: the matcher a request's check built is the one it copies
+        core = getattr(self._transport, "core", None)
+        self.grammars = core.grammars if core is not None else GrammarCompiler(
+            self.tokenizer, self.model_info.vocab_size, self.model_info.eos_token_ids)
         self._stats, self._started = ready.stats, ready.started
         self._lock = threading.Lock()  # the request tables, from the event loops and the report thread
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -51,7 +56,8 @@ class AsyncEngine:
         raises InvalidRequestError naming the field. Tokenizing a long text takes a while: callers
         on an event loop may run this in a thread and hand the result to generate()."""
         return make_request(prompt, params, model=self._model, tokenizer=self.tokenizer, request_id=request_id,
-                            priority=priority, limits=limits, default_max_tokens=default_max_tokens)
+                            priority=priority, limits=limits, default_max_tokens=default_max_tokens,
+                            grammars=self.grammars)
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:

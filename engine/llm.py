@@ -29,7 +29,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        requests = [make_request(p, sp, model=self._model, tokenizer=self.tokenizer, request_id=str(i), stream=False)
+        requests = [make_request(p, sp, model=self._model, tokenizer=self.tokenizer, request_id=str(i), stream=False,
+                                 grammars=self.engine.grammars)
                     for i, (p, sp) in enumerate(zip(prompts, params))]  # all checked before any runs
         for req in requests:
             self.engine.add_request(req)

@@ -1,4 +1,5 @@
 """The engine: load a checkpoint, then step: schedule -> run -> postprocess."""
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -15,7 +16,8 @@ from pagoda.engine.output_processor import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.protocol import EngineRequest
 from pagoda.engine.scheduler import Scheduler
-from pagoda.engine.sequence import FinishReason, Sequence
+from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagoda.engine.structured import GrammarCompiler
 
 log = logging.getLogger("pagoda.engine")
 
@@ -67,7 +69,10 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens, self.config.max_model_len)
         self.eos_token_ids = _eos_ids(path, self.hf_config, self.tokenizer)
         self.vocab = TokenVocab(self.tokenizer, self.hf_config.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, while in flight
+        self.compiling: list[tuple[concurrent.futures.Future, list[Sequence]]] = []  # waiting for a grammar
+        self.grammar_failures: list[Sequence] = []  # finished because their grammar failed to build
         self.num_prompt_tokens_processed = 0
         self.num_generated_tokens = 0
         self.started = time.monotonic()
@@ -128,8 +133,38 @@ class LLMEngine:
                 seq.generator.manual_seed(params.seed + i)
             seqs.append(seq)
         self.requests[req.request_id] = seqs
+        if req.grammar is not None:  # scheduled once its matcher template is built (off this loop)
+            self.compiling.append((self.grammars.template(req.grammar), seqs))
+            self._take_compiled()
+            return
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar is ready join the scheduler, each sequence with its own matcher."""
+        still = []
+        for future, seqs in self.compiling:
+            if all(s.is_finished for s in seqs):  # aborted meanwhile
+                continue
+            if not future.done():
+                still.append((future, seqs))
+                continue
+            error = future.exception()
+            for seq in seqs:
+                if seq.is_finished:  # aborted meanwhile
+                    continue
+                if error is not None:
+                    seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, FinishReason.ERROR, str(error)
+                    self.grammar_failures.append(seq)
+                    continue
+                seq.matcher = future.result().deep_copy()
+                self.scheduler.add(seq)
+        self.compiling = still
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet running: the scheduler's queue and those waiting for their grammar."""
+        return len(self.scheduler.waiting) + sum(len(seqs) for _, seqs in self.compiling)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every sequence of the request still in flight; their last outputs."""
@@ -148,18 +183,24 @@ class LLMEngine:
         return step_outputs(seqs)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.compiling) or bool(self.grammar_failures)
 
     # ---- the step ----
 
     def step(self, on_scheduled=None) -> list[RequestOutput]:
         """One engine step; returns the outputs of the sequences that got a token or finished.
         on_scheduled() is called once the step's sequences are chosen, before the model runs."""
+        if self.compiling:
+            self._take_compiled()
+        failed, self.grammar_failures = self.grammar_failures, []
         sched = self.scheduler.schedule()
         if on_scheduled is not None:
             on_scheduled()
         if sched.is_empty:
-            return []
+            if self.compiling and not failed:  # nothing to run until a grammar is built: wait a little
+                concurrent.futures.wait([f for f, _ in self.compiling], 0.01, concurrent.futures.FIRST_COMPLETED)
+            self._forget(failed)
+            return step_outputs(failed)
         try:
             result = self.runner.run(sched)
         except Exception as e:
@@ -174,13 +215,27 @@ class LLMEngine:
         for seq, lps in result.prompt_logprobs:
             seq.prompt_logprobs += lps
         updated = self.scheduler.postprocess(sched, result.tokens)
+        self._advance_matchers(updated)
         self.num_generated_tokens += len(updated)
         if result.logprobs is not None:
             for seq, lp in zip(updated, result.logprobs):
                 if lp is not None:
                     seq.logprobs.append(TokenLogprob(seq.token_ids[-1], lp[0], lp[1]))
-        self._forget([s for s in updated if s.is_finished])
-        return step_outputs(updated)
+        self._forget([s for s in updated if s.is_finished] + failed)
+        return step_outputs(updated + failed)
+
+    def _advance_matchers(self, seqs: list[Sequence]) -> None:
+        """Structured outputs: each constrained sequence's matcher takes its new token; a grammar that
+        allows nothing more finishes the sequence."""
+        for seq in seqs:
+            m = seq.matcher
+            if m is None or seq.is_finished:
+                continue
+            if not m.consume_token(seq.token_ids[-1]):  # the mask allowed it: a bug if this happens
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                seq.error = f"structured output: {m.get_error()}"
+            elif m.is_stopped():
+                self.scheduler.finish(seq, FinishReason.GRAMMAR)
 
     def _forget(self, seqs) -> None:
         for seq in seqs:
@@ -192,7 +247,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         b, s = self.block_manager.stats(), self.scheduler
-        return EngineStats(len(s.running), len(s.waiting), b.num_total_blocks, b.num_free_blocks,
+        return EngineStats(len(s.running), self.num_waiting, b.num_total_blocks, b.num_free_blocks,
                            b.num_used_blocks, b.num_wasted_slots, self.num_prompt_tokens_processed,
                            self.num_generated_tokens, s.num_preemptions, time.monotonic() - self.started,
                            b.num_cached_blocks, s.num_prompt_tokens_cached,

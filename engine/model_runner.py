@@ -11,6 +11,7 @@ from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensor
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.engine.sequence import Sequence
+from pagoda.engine.structured import fill_bitmasks
 
 
 class ModelRunner:
@@ -192,6 +193,7 @@ class ModelRunner:
             all_greedy=all(is_greedy),
             generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
             logit_adds=self._logit_adds(seqs),
+            allowed=self._grammar_masks(seqs),
             penalties=self._penalties(seqs),
             num_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=-1),
         )
@@ -218,6 +220,14 @@ class ModelRunner:
         dev = self.device
         return (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev),
                 torch.tensor(values, dtype=torch.float32, device=dev))
+
+    def _grammar_masks(self, seqs: list[Sequence]):
+        """Structured outputs: (rows, their allowed-token bitmasks), all filled in one parallel call."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        bits = fill_bitmasks([seqs[i].matcher for i in rows], self.vocab_size)  # int32 [R, ceil(vocab / 32)]
+        return torch.tensor(rows, device=self.device), bits.to(self.device, non_blocking=True)
 
     def _penalties(self, seqs: list[Sequence]) -> PenaltyTensors | None:
         rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties]

@@ -13,7 +13,7 @@ from pagoda.engine.sequence import FinishReason, Sequence
 
 # a finished completion's incomplete last character is flushed as U+FFFD; not at a stop string
 # (the text was cut before it), an abort or an error
-_FLUSHED = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_TOKEN)
+_FLUSHED = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.GRAMMAR)
 
 
 def step_outputs(seqs: list[Sequence]) -> list[RequestOutput]:

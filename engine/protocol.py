@@ -26,6 +26,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     prompt_text: str | None = None  # the prompt as the caller wrote it, when given as whole text
+    grammar: str | None = None  # params.structured_outputs, compiled (engine/structured.py)
 
 
 @dataclass(frozen=True)

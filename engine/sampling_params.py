@@ -2,6 +2,8 @@
 import dataclasses
 from dataclasses import dataclass, field
 
+from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.structured import StructuredOutputs
 from pagoda.engine.validation import MAX_N, MAX_TOP_LOGPROBS, check_sampling  # noqa: F401 - re-exported
 
 
@@ -29,6 +31,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; -100 bans it
     bad_words: list[str] = field(default_factory=list)  # never generated (as vLLM: with or without a leading space)
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many top alternatives
+    structured_outputs: StructuredOutputs | None = None  # what the completion must match (engine/structured.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -39,6 +42,11 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise InvalidRequestError("structured_outputs", f"must be a StructuredOutputs, got "
+                                                            f"{type(self.structured_outputs).__name__}")
         check_sampling(self)  # InvalidRequestError (a ValueError) naming the option
 
     def replace(self, **changes) -> "SamplingParams":
@@ -53,7 +61,7 @@ class SamplingParams:
         """Greedy with nothing that needs the sampler's tensors (penalties, logprobs); min_tokens
         depends on the sequence and is the caller's to check."""
         return (self.temperature == 0.0 and not self.logprobs and not self.needs_penalties and not self.logit_bias
-                and not self.bad_words)
+                and not self.bad_words and self.structured_outputs is None)
 
     @property
     def needs_penalties(self) -> bool:

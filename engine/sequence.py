@@ -19,13 +19,14 @@ class FinishReason(Enum):
     EOS = "eos"
     STOP_TOKEN = "stop_token"
     STOP_STRING = "stop_string"
+    GRAMMAR = "grammar"  # the structured output is complete: its grammar allows nothing more
     ABORT = "abort"
     ERROR = "error"
 
     @property
     def public(self) -> str:
         """The vLLM/OpenAI-style reason: stop, length, abort or error."""
-        if self in (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING):
+        if self in (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING, FinishReason.GRAMMAR):
             return "stop"
         return self.value
 
@@ -70,6 +71,7 @@ class Sequence:
         self.logprobs: list = []
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1, 2, ... (the first has no context)
         self.bad_words: list[list[int]] = []  # token ids of the words it must not generate
+        self.matcher = None  # structured output: an llguidance matcher, advanced by each generated token
         self.detokenizer = None  # set by the engine
         self.generator = None  # torch.Generator when params.seed is set
         self.stream = stream  # outputs every step, or only when finished (output_processor)

@@ -53,7 +53,7 @@ def run_core(core, commands, report) -> None:
             nonlocal reported
             if num_added and not reported:
                 reported = True
-                report(Queued(len(core.scheduler.waiting), num_added))
+                report(Queued(core.num_waiting, num_added))
 
         try:
             outputs += core.step(report_queue) if core.has_work() else []

@@ -27,6 +27,8 @@ class RequestLimits:
     max_stop_strings: int | None = None  # --max-stop-strings
     max_stop_string_len: int | None = None  # --max-stop-string-len, characters
     max_stop_token_ids: int | None = None  # --max-stop-token-ids
+    max_grammar_bytes: int | None = None  # --max-grammar-bytes: a structured output's schema, regex, ...
+    grammar_compile_timeout: float | None = None  # --grammar-compile-timeout, seconds
 
     def __post_init__(self):
         for name in ("max_prompt_tokens", "max_tokens_limit"):
@@ -37,6 +39,11 @@ class RequestLimits:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 or unset, got {v!r}")
+        if self.max_grammar_bytes is not None and (not _is_int(self.max_grammar_bytes) or self.max_grammar_bytes < 1):
+            raise ValueError(f"max_grammar_bytes must be a positive integer or unset, got {self.max_grammar_bytes!r}")
+        t = self.grammar_compile_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0):
+            raise ValueError(f"grammar_compile_timeout must be a positive number of seconds or unset, got {t!r}")
 
     def prompt_tokens(self, context: int) -> int:
         """The most prompt tokens accepted: the limit, always leaving room for one new token."""
@@ -157,10 +164,12 @@ def _is_int(x) -> bool:
 
 def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: str | None = None,
                  priority: int = 0, limits: RequestLimits = DEFAULT_LIMITS, default_max_tokens: int | None = None,
-                 stream: bool = True) -> EngineRequest:
+                 stream: bool = True, grammars=None) -> EngineRequest:
     """A user's prompt (text or token ids) and SamplingParams as a checked EngineRequest: sizes
     first (so a huge request is refused before any tokenizing), then the prompt, then max_tokens
-    against the context. params.max_tokens None means default_max_tokens, else up to the context."""
+    against the context, then the structured output, compiled by `grammars` (a GrammarCompiler:
+    this waits for it, so callers on an event loop run this in a thread when there is one).
+    params.max_tokens None means default_max_tokens, else up to the context."""
     from pagoda.engine.sampling_params import SamplingParams
 
     params = params if params is not None else SamplingParams()
@@ -178,7 +187,13 @@ def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: s
         params = params.replace(max_tokens=max_tokens)
     bad = bad_words_token_ids(params.bad_words, tokenizer)
     text = prompt if isinstance(prompt, str) and not params.truncate_prompt_tokens else None
-    return EngineRequest(request_id, ids, params, priority, stream, bad_words_token_ids=bad, prompt_text=text)
+    grammar = None
+    if params.structured_outputs is not None:
+        if grammars is None:
+            raise InvalidRequestError("structured_outputs", "are not available here (no grammar compiler)")
+        grammar = grammars.compile(params.structured_outputs, limits.max_grammar_bytes, limits.grammar_compile_timeout)
+    return EngineRequest(request_id, ids, params, priority, stream, bad_words_token_ids=bad, prompt_text=text,
+                         grammar=grammar)
 
 
 def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:

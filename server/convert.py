@@ -9,6 +9,7 @@ from __future__ import annotations
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.protocol import EngineRequest
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.structured import StructuredOutputs
 from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
                                      new_request_id)
 from pagoda.server.options import ServerOptions
@@ -23,6 +24,7 @@ FINISH_REASONS = {
     "stop_token": pb.FINISH_REASON_STOP_TOKEN,
     "eos": pb.FINISH_REASON_EOS,
     "abort": pb.FINISH_REASON_ABORTED,
+    "grammar": pb.FINISH_REASON_GRAMMAR,
 }
 
 # The engine's field names -> the request's; the prompt's depends on which prompt the request gave.
@@ -33,6 +35,9 @@ FIELDS = {
     **{name: f"stopping.{name}" for name in ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
                                              "include_stop_str_in_output")},
 }
+FIELDS.update({"structured_outputs": "structured_output", "structured_outputs.json": "structured_output.json_schema",
+               "structured_outputs.choice": "structured_output.choice.choices",
+               **{f"structured_outputs.{k}": f"structured_output.{k}" for k in ("json_object", "regex", "grammar")}})
 PROMPT_FIELDS = {"text": "text", "token_ids": "token_ids.ids", "messages": "messages"}
 
 
@@ -103,8 +108,23 @@ def _params(req) -> SamplingParams:
     for name in ("skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"):
         if req.HasField(name):
             kw[name] = getattr(req, name)
+    if req.HasField("structured_output"):
+        kw["structured_outputs"] = _structured(req.structured_output)
     return SamplingParams(**kw, stop=list(st.stop), stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
                           logprobs=req.logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
+
+
+def _structured(so: pb.StructuredOutput) -> StructuredOutputs:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs", "must set one of json_schema, json_object, regex, choice, "
+                                                        "grammar")
+    value = getattr(so, kind)
+    if kind == "json_object" and not value:
+        raise InvalidRequestError("structured_outputs.json_object", "must be true")
+    if kind == "choice":
+        value = list(value.choices)
+    return StructuredOutputs(**{"json" if kind == "json_schema" else kind: value})
 
 
 def _prompt(req, which: str | None, engine) -> str | list[int]:
@@ -195,6 +215,8 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits
             max_bad_words=MAX_BAD_WORDS,
             max_n=MAX_N,
             max_prompt_logprobs=MAX_TOP_LOGPROBS,
+            max_grammar_bytes=limits.max_grammar_bytes or 0,
+            grammar_compile_timeout_seconds=limits.grammar_compile_timeout or 0.0,
         ),
     )
 

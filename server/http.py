@@ -19,13 +19,14 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.engine.async_engine import merge_streams
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.structured import StructuredOutputs
 from pagoda.engine.validation import new_request_id
 from pagoda.server import convert
 from pagoda.server.auth import check_key, key_digest
@@ -44,6 +45,27 @@ class _Fields(BaseModel):
 
 class StreamOptions(_Fields):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Fields):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Fields):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Fields):
+    """vLLM's structured_outputs: exactly one of these."""
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Sampling(_Fields):
@@ -72,6 +94,13 @@ class _Sampling(_Fields):
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias in [-100, 100]
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, with this many alternatives
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -114,10 +143,44 @@ def _params(body: _Sampling, max_tokens: int | None, logprobs: int | None,
             kw["logit_bias"] = {int(t): b for t, b in body.logit_bias.items()}
         except ValueError:
             raise InvalidRequestError("logit_bias", "keys must be token ids (integers as strings)") from None
+    so, param = _structured(body)
+    try:
+        kw["structured_outputs"] = so and StructuredOutputs(**so)
+    except InvalidRequestError as e:
+        raise _renamed(e, param) from None
     return SamplingParams(**kw, max_tokens=max_tokens, stop=stop, stop_token_ids=body.stop_token_ids or [],
                           ignore_eos=body.ignore_eos, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                           skip_special_tokens=body.skip_special_tokens, bad_words=body.bad_words or [],
                           include_stop_str_in_output=body.include_stop_str_in_output)
+
+
+def _structured(body: _Sampling) -> tuple[dict | None, str | None]:
+    """The request's structured output, as StructuredOutputs' fields, and the field that gave it."""
+    given = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        given.append(({"json_object": True}, "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidRequestError("response_format.json_schema.schema", "is required with type json_schema")
+        given.append(({"json": rf.json_schema.schema_}, "response_format.json_schema.schema"))
+    so = body.structured_outputs
+    if so is not None:
+        fields = {"json" if k == "json_" else k: v for k, v in so.model_dump(exclude_none=True).items()}
+        given.append((fields, "structured_outputs." + next(iter(fields), "json")))
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{kind}")
+        if value is not None:
+            given.append(({kind: value}, f"guided_{kind}"))
+    if len(given) > 1:
+        raise InvalidRequestError(given[1][1], f"conflicts with {given[0][1]}: set one structured output")
+    return given[0] if given else (None, None)
+
+
+def _renamed(e: InvalidRequestError, param: str) -> InvalidRequestError:
+    """A structured output's error under the field the request gave it in (an index kept)."""
+    _, bracket, index = e.field.partition("[")
+    return e.renamed(param + bracket + index)
 
 
 def _prompts(prompt) -> list:
@@ -320,7 +383,11 @@ class HttpDoor:
             self._check_model(body.model)
             rid = ("chatcmpl-" if chat else "cmpl-") + new_request_id()
             record.request_id = rid
-            reqs = await asyncio.to_thread(make, engine, rid) if _big(body) else make(engine, rid)
+            try:
+                reqs = await asyncio.to_thread(make, engine, rid) if _big(body) else make(engine, rid)
+            except InvalidRequestError as e:  # the compiler names the engine's field
+                param = _structured(body)[1]
+                raise _renamed(e, param) if param and e.field.startswith("structured_outputs") else e from None
             streams = []
             for r in reqs:  # refusals (queue full, ...) raise here, before any answer is sent
                 streams.append(engine.open(r))
@@ -556,7 +623,10 @@ def _event(chunk: dict) -> bytes:
 
 
 def _big(body) -> bool:
-    """A prompt long enough that rendering and tokenizing it should leave the event loop."""
+    """A prompt long enough that rendering and tokenizing it should leave the event loop, or a
+    structured output (its compiling may take a while)."""
+    if _structured(body)[0] is not None:
+        return True
     text = getattr(body, "prompt", None)
     if isinstance(text, str):
         return len(text) > 4096

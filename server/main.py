@@ -100,6 +100,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=256)
     lim("--max-stop-token-ids", "MAX_STOP_TOKEN_IDS", "most stop token ids per request (default: 64)", type=int,
         default=64)
+    lim("--max-grammar-bytes", "MAX_GRAMMAR_BYTES", "largest structured output (JSON schema, regex, choices, "
+        f"grammar) in bytes; larger: INVALID_ARGUMENT (default: {o.DEFAULT_MAX_GRAMMAR_BYTES})", type=int,
+        default=o.DEFAULT_MAX_GRAMMAR_BYTES)
+    lim("--grammar-compile-timeout", "GRAMMAR_COMPILE_TIMEOUT", "seconds a structured output may take to compile; "
+        f"longer: INVALID_ARGUMENT (default: {o.DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})", type=float,
+        default=o.DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S)
     lim("--max-concurrent-streams", "MAX_CONCURRENT_STREAMS", "most Generate/GenerateStream calls in flight; more: "
         f"RESOURCE_EXHAUSTED (default: {o.DEFAULT_MAX_CONCURRENT_STREAMS})", type=int,
         default=o.DEFAULT_MAX_CONCURRENT_STREAMS)
@@ -147,6 +153,8 @@ def server_options(args: argparse.Namespace):
         max_stop_strings=args.max_stop_strings,
         max_stop_string_len=args.max_stop_string_len,
         max_stop_token_ids=args.max_stop_token_ids,
+        max_grammar_bytes=args.max_grammar_bytes,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         max_message_bytes=args.max_message_bytes,
         max_concurrent_streams=args.max_concurrent_streams,
         request_timeout=args.request_timeout,

@@ -11,6 +11,8 @@ MIB = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 4 * MIB
 DEFAULT_MAX_CONCURRENT_STREAMS = 2048
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+DEFAULT_MAX_GRAMMAR_BYTES = 64 * 1024  # a structured output's schema / regex / grammar text
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0  # llguidance compiles in ~1 ms; this stops a pathological one
 # Keepalive: the server pings a connection every KEEPALIVE_TIME seconds and drops
 # it when the ping is not answered within KEEPALIVE_TIMEOUT (a vanished client then no longer holds
 # KV blocks). Clients may ping as often as every MIN_PING_INTERVAL seconds, with or without data in
@@ -29,6 +31,8 @@ class ServerOptions:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     max_stop_token_ids: int = 64
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S  # seconds
     # transport and load limits
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
@@ -62,6 +66,8 @@ class ServerOptions:
         for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
             positive(name, zero=True)
         positive("max_message_bytes")
+        positive("max_grammar_bytes")
+        positive("grammar_compile_timeout", integer=False)
         positive("max_concurrent_streams")
         positive("request_timeout", integer=False, zero=True)
         positive("keepalive_time", integer=False)
@@ -88,7 +94,8 @@ class ServerOptions:
 
         return RequestLimits(max_prompt_tokens=self.max_prompt_tokens, max_tokens_limit=self.max_tokens_limit,
                              max_stop_strings=self.max_stop_strings, max_stop_string_len=self.max_stop_string_len,
-                             max_stop_token_ids=self.max_stop_token_ids)
+                             max_stop_token_ids=self.max_stop_token_ids, max_grammar_bytes=self.max_grammar_bytes,
+                             grammar_compile_timeout=self.grammar_compile_timeout)
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """Channel arguments of the grpc server."""

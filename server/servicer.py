@@ -92,6 +92,8 @@ def _prompt_chars(request) -> int:
         return len(request.text)
     if which == "messages":
         return sum(len(m.content) + len(m.role) + 16 for m in request.messages.messages)  # + per-message markup
+    if which == "prompts":
+        return sum(map(_prompt_chars, request.prompts.prompts))
     return 0
 
 
@@ -139,7 +141,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         record.request_id = rid[:MAX_REQUEST_ID_LEN]
         if _header_safe(rid) and len(rid) <= MAX_REQUEST_ID_LEN:
             await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
-        if _prompt_chars(request) > LARGE_PROMPT_CHARS:  # rendering and tokenizing a long text takes a while
+        # rendering and tokenizing a long text, or compiling a structured output, takes a while
+        if _prompt_chars(request) > LARGE_PROMPT_CHARS or request.HasField("structured_output"):
             reqs = await asyncio.to_thread(convert.to_engine_requests, request, engine, state.limits, rid)
         else:
             reqs = convert.to_engine_requests(request, engine, state.limits, rid)

@@ -18,6 +18,8 @@ class SamplingTensors:
     # (rows, token ids, values) added to single logits: logit_bias, -inf bans (min_tokens, bias -100)
     logit_adds: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: "PenaltyTensors | None" = None
+    # structured outputs: (rows, int32 bitmasks [R, ceil(vocab / 32)]) of the tokens each row may take
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     num_top_logprobs: int = -1  # -1: no logprobs this step
 
 
@@ -53,6 +55,16 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: to
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_allowed(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
+    """-inf outside each constrained row's allowed tokens (bit j of word w: token 32 * w + j). A row
+    left with nothing (min_tokens or logit_bias banned all the grammar allows) keeps the grammar's set."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().view(len(rows), -1)[:, :logits.shape[-1]]  # [R, vocab]
+    sub = logits[rows].masked_fill(~allowed, float("-inf"))
+    stuck = (sub == float("-inf")).all(dim=-1, keepdim=True)
+    logits[rows] = torch.where(stuck, torch.zeros_like(sub).masked_fill(~allowed, float("-inf")), sub)
+
+
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     keep = probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
@@ -73,6 +85,8 @@ class Sampler:
             apply_penalties(logits, t.penalties)
         if t.logit_adds is not None:
             logits.index_put_(t.logit_adds[:2], t.logit_adds[2], accumulate=True)
+        if t.allowed is not None:
+            apply_allowed(logits, *t.allowed)
         greedy = self.argmax(logits)
         if t.all_greedy:
             return greedy, logprobs

@@ -1,0 +1,222 @@
+"""Structured outputs: a request's constraint (a JSON schema, any JSON object, a regex, a choice of
+strings, a Lark grammar) as an llguidance grammar, and the matchers that mask each step's logits.
+
+llguidance (not xgrammar; benchmarks/grammar_libs.py measured both) builds its lexer lazily: a
+grammar compiles in about a millisecond whatever the vocabulary, the first mask included, and its
+parser limits bound the work a hostile grammar can cause. Compilation (GrammarCompiler.compile)
+runs in worker threads, off the event loop and the engine loop, with a wall-clock limit and a size
+limit, and its results are cached; the engine core builds a matcher per sequence from the compiled
+grammar's text (a cached template, copied). Each step fills the bitmasks of every constrained row
+in one parallel call (fill_bitmasks); the sampler applies them in one tensor op."""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import threading
+from dataclasses import dataclass
+
+from pagoda.engine.errors import InvalidRequestError
+
+FIELD = "structured_outputs"
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_CHOICES = 1024
+_CACHE_SIZE = 256  # compiled grammars kept (compiler), and matcher templates (core)
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the completion must match, exactly one of (vLLM's names): `json`, a JSON Schema (a dict or
+    its JSON text); `json_object`, any JSON object; `regex`, matched whole; `choice`, one of these
+    strings exactly; `grammar`, a Lark grammar in llguidance's dialect (start rule `start`; lexer
+    rules in capitals, e.g. NUMBER: /[0-9]+/)."""
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(FIELD, f"must set exactly one of {', '.join(KINDS)}"
+                                             f"{', got ' + ', '.join(given) if given else ''}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, dict):
+                object.__setattr__(self, "json", json.dumps(value, ensure_ascii=False))
+            elif not isinstance(value, str) or not value.strip():
+                raise InvalidRequestError(self.field, f"must be a JSON Schema (an object or its JSON text), got "
+                                                      f"{type(value).__name__}")
+        elif kind == "json_object" and value is not True:
+            raise InvalidRequestError(self.field, f"must be true, got {value!r}")
+        elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise InvalidRequestError(self.field, "must be a non-empty string")
+        elif kind == "choice":
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+                raise InvalidRequestError(self.field, "must be a non-empty list of strings")
+            if len(value) > MAX_CHOICES:
+                raise InvalidRequestError(self.field, f"must hold at most {MAX_CHOICES} strings, got {len(value)}")
+            for i, c in enumerate(value):
+                if not isinstance(c, str) or not c:
+                    raise InvalidRequestError(f"{self.field}[{i}]", f"must be a non-empty string, got {c!r}")
+            object.__setattr__(self, "choice", tuple(value))
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def field(self) -> str:
+        """The engine's name of the constraint given (each door renames it)."""
+        return f"{FIELD}.{self.kind}"
+
+    @property
+    def text(self) -> str:
+        """The constraint as text: what its size limit counts, and its cache key."""
+        value = getattr(self, self.kind)
+        return json.dumps(list(value), ensure_ascii=False) if self.kind == "choice" else \
+            "" if self.kind == "json_object" else value
+
+
+def _grammar_of(so: StructuredOutputs) -> str:
+    """llguidance's grammar text for a constraint (not yet checked)."""
+    import llguidance
+
+    m = llguidance.LLMatcher
+    kind = so.kind
+    if kind == "json":
+        try:
+            schema = json.loads(so.json)
+        except ValueError as e:
+            raise InvalidRequestError(so.field, f"is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError(so.field, "must be a JSON Schema: an object")
+        return m.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    if kind == "json_object":
+        return m.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})
+    if kind == "regex":
+        return m.grammar_from_regex(so.regex)
+    if kind == "choice":  # each string a Lark literal (JSON's escapes are Lark's)
+        return m.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice))
+    return m.grammar_from_lark(so.grammar)
+
+
+def _parser_limits():
+    import llguidance
+
+    # llguidance's own bounds on the work one grammar may cause (its defaults, but a smaller grammar)
+    return llguidance.LLParserLimits(max_grammar_size=200_000)
+
+
+class GrammarCompiler:
+    """Compiles and checks constraints against one tokenizer, in worker threads; makes matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=(), workers: int = 2):
+        self._hf_tokenizer, self._vocab_size, self._eos = tokenizer, vocab_size, sorted(eos_token_ids)
+        self._llg_tokenizer = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="pagoda-grammar")
+        self._compiled: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._templates: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+
+    @property
+    def tokenizer(self):
+        """llguidance's view of the tokenizer (built once: a few ms)."""
+        with self._lock:
+            if self._llg_tokenizer is None:
+                import llguidance.hf
+
+                kw = {"eos_token": self._eos} if self._eos else {}
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size, **kw)
+            return self._llg_tokenizer
+
+    def compile(self, so: StructuredOutputs, max_bytes: int | None = None, timeout: float | None = None) -> str:
+        """The checked grammar text of a constraint; InvalidRequestError (naming so.field) if it is
+        invalid, larger than max_bytes, or not compiled within timeout seconds. The same constraint
+        is compiled once: later requests share the result (or wait on the compile under way)."""
+        text = so.text
+        if max_bytes is not None and len(text.encode()) > max_bytes:
+            raise InvalidRequestError(so.field, f"is {len(text.encode())} bytes, more than the {max_bytes} accepted "
+                                                f"(--max-grammar-bytes)")
+        key = f"{so.kind}\0{text}"
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is None:
+                future = self._compiled[key] = self._pool.submit(self._compile, so)
+                while len(self._compiled) > _CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(key)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise InvalidRequestError(so.field, f"did not compile within {timeout:g}s (--grammar-compile-timeout); "
+                                                f"simplify it") from None
+
+    def _compile(self, so: StructuredOutputs) -> str:
+        """In a worker: the grammar, a matcher and its first mask (the lexer's work), checked. The
+        matcher is kept as the grammar's template (an engine core in this process copies it)."""
+        import llguidance
+
+        try:
+            grammar = _grammar_of(so)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # noqa: BLE001 - llguidance's own message is the one to give
+            raise InvalidRequestError(so.field, f"is invalid: {e}") from None
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_parser_limits())
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the first mask: most of a grammar's cost (not advancing it)
+        if matcher.is_error():
+            raise InvalidRequestError(so.field, f"is invalid: {matcher.get_error()}")
+        done = concurrent.futures.Future()
+        done.set_result(matcher)
+        self._keep_template(grammar, done)
+        return grammar
+
+    def template(self, grammar: str) -> concurrent.futures.Future:
+        """A compiled grammar's template matcher (copy it for each sequence): at once when cached,
+        else built in a worker (an engine core in another process than the compile)."""
+        with self._lock:
+            future = self._templates.get(grammar)
+            if future is not None:
+                self._templates.move_to_end(grammar)
+                return future
+        future = self._pool.submit(self._build, grammar)
+        self._keep_template(grammar, future)
+        return future
+
+    def _build(self, grammar: str):
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_parser_limits())
+        if matcher.is_error():
+            raise ValueError(f"structured output: {matcher.get_error()}")
+        return matcher
+
+    def _keep_template(self, grammar: str, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._templates[grammar] = future
+            while len(self._templates) > _CACHE_SIZE:
+                self._templates.popitem(last=False)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_executor = None
+
+
+def fill_bitmasks(matchers: list, vocab_size: int):
+    """Each matcher's allowed next tokens, as bits: int32 [len(matchers), ceil(vocab_size / 32)], bit j
+    of word w is token 32 * w + j. One call for the whole batch, filled in parallel threads."""
+    import llguidance
+    import llguidance.torch
+
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    bits = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
+    llguidance.torch.fill_next_token_bitmask_par(_executor, [(m, i) for i, m in enumerate(matchers)], bits)
+    return bits
