@@ -12,6 +12,7 @@ status 2 for a usage error (after the subcommand's usage), 1 when the call or th
 Heavy imports (torch, grpc, the engine) happen inside the subcommands so `pagoda --help` stays fast.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -300,6 +301,13 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="keep a longer prompt's last N tokens instead of being refused")
     g.add_argument("--logit-bias", action="append", type=_logit_bias, default=[], metavar="TOKEN_ID=BIAS",
                    help="add BIAS (in [-100, 100]; -100 bans) to a token's logit (repeatable)")
+    s = p.add_argument_group("structured output (one of)")
+    s.add_argument("--json-schema", metavar="FILE", help="the completion is JSON valid against this JSON Schema file "
+                                                         "(- reads it from stdin)")
+    s.add_argument("--json-object", action="store_true", help="the completion is a JSON object")
+    s.add_argument("--regex", help="the completion matches this regular expression, whole")
+    s.add_argument("--choice", action="append", metavar="TEXT", help="the completion is one of these (repeatable)")
+    s.add_argument("--grammar", metavar="FILE", help="the completion follows this Lark grammar file")
     g.add_argument("--bad-word", action="append", dest="bad_words", default=[], metavar="WORD",
                    help="a word the completion must not contain (repeatable)")
     g.add_argument("--priority", type=_ranged(int, -INT32 - 1, INT32), default=0,
@@ -310,7 +318,33 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     names = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority",
              "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "bad_words")
-    return {n: getattr(args, n) for n in names} | {"logit_bias": dict(args.logit_bias)}
+    return {n: getattr(args, n) for n in names} | {"logit_bias": dict(args.logit_bias)} | _structured(args)
+
+
+def _structured(args: argparse.Namespace) -> dict:
+    """The structured-output flags as build_request's keywords; a usage error for two of them."""
+    given = [f for f, v in (("--json-schema", args.json_schema), ("--json-object", args.json_object),
+                            ("--regex", args.regex), ("--choice", args.choice), ("--grammar", args.grammar)) if v]
+    if len(given) > 1:
+        raise CliError(f"argument {given[1]}: not allowed with {given[0]} (one structured output per request)",
+                     usage=True)
+    kw = {}
+    if args.json_schema:
+        text = sys.stdin.read() if args.json_schema == "-" else _read_file("--json-schema", args.json_schema)
+        try:
+            json.loads(text)
+        except ValueError as e:
+            raise CliError(f"argument --json-schema: {args.json_schema} is not JSON: {e}", usage=True) from None
+        kw["json_schema"] = text
+    if args.json_object:
+        kw["json_object"] = True
+    if args.regex:
+        kw["regex"] = args.regex
+    if args.choice:
+        kw["choice"] = args.choice
+    if args.grammar:
+        kw["grammar"] = _read_file("--grammar", args.grammar)
+    return kw
 
 
 def _logit_bias(text: str) -> tuple[int, float]:

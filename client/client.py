@@ -16,6 +16,7 @@ server's certificate against that name instead of the target's host.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
@@ -43,11 +44,14 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
                   include_stop_str_in_output: bool | None = None, skip_special_tokens: bool | None = None,
                   truncate_prompt_tokens: int | None = None, logit_bias: dict[int, float] | None = None,
                   bad_words: Iterable[str] = (), prompt_logprobs: int | None = None, echo: bool = False,
-                  prompts: Iterable[str | Sequence[int]] | None = None):
+                  prompts: Iterable[str | Sequence[int]] | None = None, json_schema: str | dict | None = None,
+                  json_object: bool = False, regex: str | None = None, choice: Iterable[str] | None = None,
+                  grammar: str | None = None):
     """A GenerateRequest (or GenerateStreamRequest with stream=True). The prompt is text (str), token
     ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts; or
     `prompts`, several texts or token id lists completed in one call (one result each, in order).
-    None leaves a field unset, so the server's default applies."""
+    A structured output: `json_schema` (a dict or its JSON text), `json_object`, `regex`, `choice` or
+    `grammar` (Lark). None leaves a field unset, so the server's default applies."""
     req = pb.GenerateStreamRequest() if stream else pb.GenerateRequest()
     req.request_id = request_id
     if messages is not None:
@@ -95,6 +99,18 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
         req.top_logprobs = top_logprobs
     req.priority = priority
     req.echo = echo
+    so = req.structured_output
+    if json_schema is not None:
+        so.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    if json_object:
+        so.json_object = True
+    if regex is not None:
+        so.regex = regex
+    if choice is not None:
+        so.choice.SetInParent()  # an empty list is still "choice", which the server rejects
+        so.choice.choices.extend(choice)
+    if grammar is not None:
+        so.grammar = grammar
     return req
 
 

@@ -103,6 +103,11 @@ def _grammar_of(so: StructuredOutputs) -> str:
     return m.grammar_from_lark(so.grammar)
 
 
+def _one_line(message: str) -> str:
+    """llguidance's messages draw carets under the grammar over several lines: one line here."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def _parser_limits():
     import llguidance
 
@@ -164,12 +169,12 @@ class GrammarCompiler:
         except InvalidRequestError:
             raise
         except Exception as e:  # noqa: BLE001 - llguidance's own message is the one to give
-            raise InvalidRequestError(so.field, f"is invalid: {e}") from None
+            raise InvalidRequestError(so.field, f"is invalid: {_one_line(str(e))}") from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=_parser_limits())
         if not matcher.is_error():
             matcher.compute_bitmask()  # the first mask: most of a grammar's cost (not advancing it)
         if matcher.is_error():
-            raise InvalidRequestError(so.field, f"is invalid: {matcher.get_error()}")
+            raise InvalidRequestError(so.field, f"is invalid: {_one_line(matcher.get_error())}")
         done = concurrent.futures.Future()
         done.set_result(matcher)
         self._keep_template(grammar, done)

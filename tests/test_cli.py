@@ -263,3 +263,25 @@ def test_the_shared_options_reach_the_server(capsys, srv):
     assert status == 0 and out.startswith("Grüße")
     line = usage_error(capsys, "generate", "hi", "--prompt-logprobs", "21", "--target", srv.target)
     assert line.endswith("argument --prompt-logprobs: must be in [0, 20], got 21")
+
+
+def test_structured_output_flags(capsys, srv, tmp_path):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    status, out, _ = run(capsys, "generate", "x", "--json-schema", str(path), "--temperature", "0", "--max-tokens", "40",
+                         "--target", srv.target)
+    assert status == 0 and 0 <= json.loads(out)["n"] <= 99
+    status, out, _ = run(capsys, "generate", "x", "--choice", "yes", "--choice", "no", "--target", srv.target)
+    assert status == 0 and out.strip() in ("yes", "no")
+    status, out, _ = run(capsys, "generate", "x", "--regex", "[0-9]{4}", "--target", srv.target)
+    assert status == 0 and len(out.strip()) == 4 and out.strip().isdigit()
+    line = usage_error(capsys, "generate", "x", "--regex", "a", "--json-object", "--target", srv.target)
+    assert line.endswith("argument --regex: not allowed with --json-object (one structured output per request)")
+    path.write_text("{not json")
+    line = usage_error(capsys, "generate", "x", "--json-schema", str(path), "--target", srv.target)
+    assert "argument --json-schema" in line and "is not JSON" in line
+    status, _, err = run(capsys, "generate", "x", "--regex", "(ab", "--target", srv.target)
+    assert status == 1 and len(err.strip().splitlines()) == 1
+    assert err.startswith("pagoda generate: INVALID_ARGUMENT: structured_output.regex is invalid: ")
