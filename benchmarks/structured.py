@@ -4,7 +4,8 @@ the masks (filling every constrained row's bitmask, applying them to the logits,
 matchers); and compile times (cold and cached) over the tests' constraints (tests/structured_cases.py).
 
 The schema asks for at least 100 records of four fields, so no request can finish it within its
-output length: constrained and free requests generate the same number of tokens, greedy, EOS ignored.
+output length: constrained and free requests generate the same number of tokens, greedy, EOS ignored,
+on the same prompts (prefix caching off, so that each run computes them).
 
     python benchmarks/structured.py --model-config tiny --num-requests 64 --input-len 32 256 --output-len 128 128 --repeats 3
 """
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
 
     path = common.model_path(args)
     runs, warmup = common.workloads(args, path, repeats=args.repeats)
-    llm = LLM(path, dtype=args.dtype, device=args.device)
+    # both kinds run the same prompts: no prefix cache, or the second would skip its prefill
+    llm = LLM(path, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
     run(llm, warmup, constrained=False)
     run(llm, warmup, constrained=True)
     free, bound = [], []

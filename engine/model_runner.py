@@ -226,8 +226,10 @@ class ModelRunner:
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return None
-        bits = fill_bitmasks([seqs[i].matcher for i in rows], self.vocab_size)  # int32 [R, ceil(vocab / 32)]
-        return torch.tensor(rows, device=self.device), bits.to(self.device, non_blocking=True)
+        # bits: int32 [R, ceil(vocab / 32)]
+        bits = fill_bitmasks([seqs[i].matcher for i in rows], self.vocab_size, self.device.type == "cuda")
+        rows = None if len(rows) == len(seqs) else torch.tensor(rows, device=self.device)
+        return rows, bits.to(self.device, non_blocking=True)
 
     def _penalties(self, seqs: list[Sequence]) -> PenaltyTensors | None:
         rows = [i for i, s in enumerate(seqs) if s.params.needs_penalties]

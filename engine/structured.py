@@ -213,15 +213,18 @@ class GrammarCompiler:
 _executor = None
 
 
-def fill_bitmasks(matchers: list, vocab_size: int):
+def fill_bitmasks(matchers: list, vocab_size: int, pin_memory: bool = False):
     """Each matcher's allowed next tokens, as bits: int32 [len(matchers), ceil(vocab_size / 32)], bit j
-    of word w is token 32 * w + j. One call for the whole batch, filled in parallel threads."""
+    of word w is token 32 * w + j. One call for the whole batch, filled in parallel threads (without
+    llguidance.torch, whose import sets up torch.compile)."""
     import llguidance
-    import llguidance.torch
+    import torch
 
     global _executor
     if _executor is None:
         _executor = llguidance.LLExecutor()
-    bits = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
-    llguidance.torch.fill_next_token_bitmask_par(_executor, [(m, i) for i, m in enumerate(matchers)], bits)
+    words = (vocab_size + 31) // 32
+    bits = torch.full((len(matchers), words), -1, dtype=torch.int32, pin_memory=pin_memory)
+    _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4,
+                                      len(matchers))
     return bits

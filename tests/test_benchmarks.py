@@ -75,3 +75,15 @@ def test_serving_over_http_and_grpc_in_one_run(checkpoint, tmp_path):
         assert (m["completed"], m["failed"]) == (6, 0), protocol  # tokens counted from each SSE chunk's ids
         assert m["itl_ms"]["p50"] >= 0 and m["output_tokens_per_s"] > 0
     assert "HTTP/gRPC output throughput" in r.stdout
+
+
+def test_structured_outputs_benchmark(checkpoint, tmp_path):
+    out = tmp_path / "structured.json"
+    args = [a for a in WORKLOAD if a != "--no-progress"]
+    r = _run("structured.py", "--model", checkpoint("llama"), *args, "--repeats", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["free_tok_s"] > 0 and result["json_schema_tok_s"] > 0
+    assert result["ratio"] == pytest.approx(result["json_schema_tok_s"] / result["free_tok_s"])
+    assert result["compile"]["cases"] == 21 and result["masks"]["steps"] > 0
+    assert "every request under a JSON schema" in r.stdout
