@@ -29,6 +29,8 @@ class EngineConfig:
     max_queue_len: int = 1024  # waiting requests beyond this are refused (QueueFullError)
     cpu_threads: int | None = None  # on CPU, torch's intra-op threads (process-wide); None: torch's default
     engine_process: bool = False  # AsyncEngine: the engine loop in a child process (else a thread)
+    tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py, engine/workers.py)
+    tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -40,6 +42,10 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_queue_len", self.max_queue_len)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
+                or not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s!r}")
         if self.cpu_threads is not None:
             _positive_int("cpu_threads", self.cpu_threads)
         if self.num_kv_blocks is not None:

@@ -6,9 +6,11 @@ import time
 
 import torch
 
+from pagoda.engine import parallel
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
+from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.loader import load_hf_config, load_tokenizer, load_weights, resolve_model_path
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.models import architecture_of, build_model
@@ -18,6 +20,7 @@ from pagoda.engine.protocol import EngineRequest
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
 from pagoda.engine.structured import GrammarCompiler
+from pagoda.engine.workers import WorkerSetup, Workers, cpu_threads
 
 log = logging.getLogger("pagoda.engine")
 
@@ -33,14 +36,23 @@ class LLMEngine:
         self.architecture = architecture_of(self.hf_config)
         self.tokenizer = load_tokenizer(path)
         self.device = _device(config.device)
-        if self.device.type == "cpu" and config.cpu_threads is not None:
-            torch.set_num_threads(config.cpu_threads)
+        if self.device.type == "cpu" and (config.cpu_threads is not None or config.tensor_parallel_size > 1):
+            torch.set_num_threads(cpu_threads(config))
+        # tensor parallelism: ranks 1..N-1 start loading their shards now, alongside this one
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            parallel.check_splits(self.hf_config, config.tensor_parallel_size)
+            self.workers = Workers(config, path, self.device)
         self.dtype = _dtype(config.dtype, self.hf_config, self.device)
         _log_phase("config and tokenizer", t0, path)
         t0 = time.monotonic()
         torch.manual_seed(config.seed)
-        with torch.device(self.device):
-            model = build_model(self.hf_config).to(self.dtype)
+        parallel.use_group(self.workers.group if self.workers is not None else None)
+        try:
+            with torch.device(self.device):
+                model = build_model(self.hf_config).to(self.dtype)
+        finally:
+            parallel.use_group(None)
         load_weights(model, path)
         self.model = model.eval()
         _log_phase("weights", t0, f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
@@ -51,8 +63,11 @@ class LLMEngine:
         backend = _attention_backend(self.config.attention_backend, self.device, head_dim)
         _log_phase("attention", t0, getattr(backend, "__name__", "torch SDPA").rsplit(".", 1)[-1])
         t0 = time.monotonic()
+        if self.workers is not None:
+            c = self.config
+            self.workers.setup(WorkerSetup(c.num_kv_blocks, c.block_size, c.dtype, c.max_model_len))
         self.runner = ModelRunner(self.model, self.config.num_kv_blocks, self.config.block_size, self.dtype,
-                                  self.device, self.config.seed, self.hf_config.vocab_size, backend)
+                                  self.device, self.config.seed, self.hf_config.vocab_size, backend, self.workers)
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         _log_phase("KV cache", t0, f"{self.config.num_kv_blocks} blocks of {self.config.block_size} tokens, "
                                    f"{kv_bytes / 2**30:.2f} GiB")
@@ -60,7 +75,7 @@ class LLMEngine:
             t0 = time.monotonic()
             self.runner.warmup(min(self.config.max_num_batched_tokens, 512))
             # graphs pad batches with slot -1 rows, which only the Triton cache write skips
-            if not self.config.enforce_eager and backend is not None:
+            if not self.config.enforce_eager and backend is not None and self.workers is None:
                 self.runner.use_cuda_graphs(min(self.config.max_num_seqs, 256), self.config.max_model_len)
             _log_phase("warm-up", t0, "CUDA graphs" if self.runner.decode_graphs is not None else "eager")
         self.block_manager = BlockManager(self.config.num_kv_blocks, self.config.block_size,
@@ -203,6 +218,8 @@ class LLMEngine:
             return step_outputs(failed)
         try:
             result = self.runner.run(sched)
+        except EngineDeadError:
+            raise  # the engine cannot go on (a tensor-parallel rank is gone): fatal, not this step's alone
         except Exception as e:
             log.exception("engine step failed; failing its %d requests", len(sched.seqs))
             for seq in sched.seqs:
@@ -223,6 +240,24 @@ class LLMEngine:
                     seq.logprobs.append(TokenLogprob(seq.token_ids[-1], lp[0], lp[1]))
         self._forget([s for s in updated if s.is_finished] + failed)
         return step_outputs(updated + failed)
+
+    # ---- liveness ----
+
+    @property
+    def idle_poll_s(self) -> float | None:
+        """How long the engine loop may sleep with nothing to do: forever, or with tensor-parallel
+        ranks a second, to notice one that died (check_alive)."""
+        return None if self.workers is None else 1.0
+
+    def check_alive(self) -> None:
+        """EngineDeadError if a tensor-parallel rank has exited."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing else holds resources beyond this object)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _advance_matchers(self, seqs: list[Sequence]) -> None:
         """Structured outputs: each constrained sequence's matcher takes its new token; a grammar that

@@ -1,5 +1,6 @@
 """Checkpoints in Hugging Face format: config and tokenizer through transformers, weights from
-safetensors (sharded or not). Pickle checkpoints are refused and no remote code runs."""
+safetensors (sharded or not). Pickle checkpoints are refused and no remote code runs. Under tensor
+parallelism each rank reads only the rows or columns its layers hold (engine/parallel.py)."""
 import glob
 import os
 
@@ -50,18 +51,39 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                 pname, shard = mapped
                 if pname not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
-                _copy(model, pname, params[pname], shard, transform(pname, f.get_tensor(name)))
+                owner = model.get_submodule(pname.rsplit(".", 1)[0])
+                _copy(owner, pname, params[pname], shard, transform(pname, _read(f, name, model, owner, pname, shard)))
                 missing.discard(pname)
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(sorted(missing)[:8])}")
 
 
+def _read(f, name: str, model, owner, pname: str, shard: int | None) -> torch.Tensor:
+    """The part of a checkpoint tensor this rank's parameter holds (all of it without tensor
+    parallelism), read alone."""
+    parts = getattr(owner, "tp_parts", None)
+    if parts is None:
+        return f.get_tensor(name)
+    is_bias = pname.endswith(".bias")
+    if is_bias and owner.tp_dim == 1:  # a row-parallel layer's bias is added once, on rank 0, after the sum
+        bias = f.get_tensor(name)
+        return bias if owner.tp.rank == 0 else torch.zeros_like(bias)
+    dim = 0 if is_bias else owner.tp_dim
+    if getattr(model, "stored_transposed", lambda n: False)(pname):  # GPT-2's Conv1D: [in, out]
+        dim = 1 - dim
+    whole = f.get_slice(name)
+    pieces = [whole[a:a + n] if dim == 0 else whole[:, a:a + n] for a, n in parts[shard]]
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+
 @torch.no_grad()
-def _copy(model, pname: str, param: torch.Tensor, shard: int | None, tensor: torch.Tensor) -> None:
+def _copy(owner, pname: str, param: torch.Tensor, shard: int | None, tensor: torch.Tensor) -> None:
     target = param
     if shard is not None:
-        offset = model.get_submodule(pname.rsplit(".", 1)[0]).shard_offsets[shard]
-        target = param.narrow(0, offset, tensor.shape[0])
+        target = param.narrow(0, owner.shard_offsets[shard], tensor.shape[0])
+    elif getattr(owner, "tp_dim", None) == 0 and tensor.shape[0] < param.shape[0]:
+        param.zero_()  # the vocabulary's last rank: its padding rows stay zero
+        target = param.narrow(0, 0, tensor.shape[0])
     if target.shape != tensor.shape:
         raise ValueError(f"shape mismatch for {pname}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
     target.copy_(tensor)

@@ -6,18 +6,24 @@ import numpy as np
 import torch
 
 from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
+from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.engine.sequence import Sequence
 from pagoda.engine.structured import fill_bitmasks
+from pagoda.engine.workers import step_inputs
+
+
+SCORED_ROWS = 256  # prompt rows whose logits are computed at once (prompt logprobs)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_kv_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int, vocab_size: int, attention_backend=None):
+                 device: torch.device, seed: int, vocab_size: int, attention_backend=None, workers=None):
         self.model, self.device, self.block_size, self.vocab_size = model, device, block_size, vocab_size
+        self.workers = workers  # tensor parallelism: the other ranks (engine/workers.py), sent each step first
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
         self.pads_decodes = attention_backend is None  # the torch path pads decode rows to a group's longest
         fused = getattr(attention_backend, "fused_ops", None)
@@ -72,27 +78,59 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             prefill_context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             max_query_len=n, max_context_len=n)
-        self._eager_logits(ids, pos, meta, pos[-1:])
+        hidden = self._forward(ids, pos, meta, [pos[-1:]])
+        self.model.compute_logits(hidden[pos[-1:]])
 
     def _eager_logits(self, input_ids, positions, meta, logits_idx=None):
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])  # [num_sampled, vocab]
 
+    def _forward(self, input_ids, positions, meta, logits_rows: list) -> torch.Tensor:
+        """The model over the step's tokens, on every rank: the other ranks get the step first, with
+        the rows whose logits will be asked for (compute_logits is collective), in that order."""
+        if self.workers is not None:
+            self.workers.send(step_inputs(input_ids, positions, meta, logits_rows))
+        return self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+
+    @torch.inference_mode()
+    def replay(self, step) -> None:
+        """A tensor-parallel worker's step: the driver's forward and logits calls, results unused."""
+        def dev(a):
+            return torch.from_numpy(a).to(self.device) if isinstance(a, np.ndarray) else a
+
+        meta = AttentionMetadata(**{k: dev(v) for k, v in step.meta.items()})
+        hidden = self.model(dev(step.input_ids), dev(step.positions), meta)
+        for rows in step.logits_rows:
+            self.model.compute_logits(hidden if rows is None else hidden[slice(*rows) if isinstance(rows, tuple)
+                                                                        else dev(rows)])
+
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> "StepResult":
+        if self.workers is None:
+            return self._run(sched)
+        try:
+            return self._run(sched)
+        except EngineDeadError:
+            raise
+        except Exception as e:  # the ranks are out of step now: the engine cannot go on
+            self.workers.check(wait=1.0)  # a rank that died says so more plainly than the collective did
+            raise EngineDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+
+    def _run(self, sched: SchedulerOutput) -> "StepResult":
         input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
         seqs, sampling = sched.seqs, sched.sampling
         sample_seqs = seqs if all(sampling) else [s for s, x in zip(seqs, sampling) if x]
         scored = _prompt_rows(sched)  # prompt positions whose logprobs were asked for (rarely any)
         graphs, prompt_lps = self.decode_graphs, []
         if not sample_seqs and not scored:
-            self.model(input_ids, positions, meta)  # prefill chunks only: nothing to sample
+            self._forward(input_ids, positions, meta, [])  # prefill chunks only: nothing to sample
             return StepResult([])
         if graphs is not None and not scored and meta.num_decode_tokens == len(seqs) <= graphs.max_batch:
             logits = graphs.run(input_ids, positions, meta)  # a decode row per sequence
             logits = logits if logits_idx is None else logits[logits_idx]
         else:
-            hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+            calls = [(c, min(c + SCORED_ROWS, b)) for _, a, b, _ in scored for c in range(a, b, SCORED_ROWS)]
+            hidden = self._forward(input_ids, positions, meta, calls + ([logits_idx] if sample_seqs else []))
             prompt_lps = [(seq, self._scored_logprobs(hidden[a:b], targets, seq.params.prompt_logprobs))
                           for seq, a, b, targets in scored]
             if not sample_seqs:
@@ -105,7 +143,8 @@ class ModelRunner:
             return StepResult(tokens.tolist(), None, prompt_lps)  # the step's one host-device sync
         return StepResult(tokens.tolist(), _logprob_lists(lp, tokens, sample_seqs), prompt_lps)
 
-    def _scored_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int, rows: int = 256) -> list[TokenLogprob]:
+    def _scored_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int,
+                         rows: int = SCORED_ROWS) -> list[TokenLogprob]:
         """The logprob of each target token after each hidden row (with the top k), a few rows at a time
         (a long prompt's logits would not fit at once)."""
         out = []

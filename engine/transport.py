@@ -33,11 +33,13 @@ def run_core(core, commands, report) -> None:
     multiprocessing Connection's poll() and recv(); report(record) hands a report out."""
     while True:
         if not core.has_work():
-            commands.poll(None)  # idle: sleep until a command comes
+            commands.poll(core.idle_poll_s)  # idle: sleep until a command comes (or a rank may have died)
+        core.check_alive()  # EngineDeadError: fatal, ends the loop
         outputs, num_added = [], 0
         while commands.poll(0):
             cmd = commands.recv()
             if isinstance(cmd, Shutdown):
+                core.close()
                 report(Closed())
                 return
             if isinstance(cmd, EngineRequest):
@@ -45,6 +47,8 @@ def run_core(core, commands, report) -> None:
                 outputs += _add(core, cmd)
             elif isinstance(cmd, Abort):
                 outputs += core.abort(cmd.request_id)
+        if not (outputs or num_added or core.has_work()):
+            continue  # woke only to check the ranks
         reported = False
 
         def report_queue():
@@ -57,6 +61,8 @@ def run_core(core, commands, report) -> None:
 
         try:
             outputs += core.step(report_queue) if core.has_work() else []
+        except EngineDeadError:
+            raise
         except Exception:  # a bug outside the model run; never let the loop die
             log.exception("engine step crashed")
             outputs += core.fail_all("internal engine error")
@@ -140,8 +146,9 @@ class ProcessTransport:
         logs, root = ctx.Queue(), logging.getLogger()
         self._log_listener = QueueListener(logs, *root.handlers, respect_handler_level=True)
         self._log_listener.start()
+        # not a daemon: a tensor-parallel core starts its ranks' processes (the atexit kill below ends it)
         self._proc = ctx.Process(target=_child_main, args=(config, child_conn, logs, root.level),
-                                 name="pagoda-engine", daemon=True)
+                                 name="pagoda-engine", daemon=False)
         self._proc.start()
         # Runs before multiprocessing's own exit handler, whose terminate() the child ignores (SIGTERM
         # is the parent's to handle) and whose join() would then wait forever, e.g. for a child still
@@ -191,16 +198,18 @@ class ProcessTransport:
             self._proc.join(5)
 
     def _receive(self, on_report) -> None:
+        failed = False  # the child said why it stopped: its exit needs no second report
         while True:
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
-                if not self._closing:
+                if not self._closing and not failed:
                     self._proc.join(5)
                     log.error("the engine process exited (code %s)", self._proc.exitcode)
                     on_report(CoreFailed(EngineDeadError(f"the engine process exited (code {self._proc.exitcode})")))
                 return
             on_report(msg)
+            failed = failed or isinstance(msg, CoreFailed)
             if isinstance(msg, Closed):
                 return
 
@@ -225,6 +234,11 @@ def _child_main(config: EngineConfig, conn, logs, log_level: int) -> None:
         run_core(core, conn, conn.send)
     except (EOFError, OSError):
         pass  # the parent is gone
+    except EngineDeadError as e:  # e.g. a tensor-parallel rank died: the parent fails the engine with this
+        log.error("%s", e)
+        conn.send(CoreFailed(e))
+    finally:
+        core.close()
 
 
 def _picklable(e: BaseException) -> bool:

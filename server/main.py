@@ -75,6 +75,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--engine-process", "ENGINE_PROCESS", "run the engine loop in its own process, so that the server's "
         "Python never holds the engine's GIL (default: on; off: a thread of the server process)",
         default="on", choices=["on", "off"])
+    opt("--tensor-parallel-size", "TENSOR_PARALLEL_SIZE", "split the model over this many ranks (processes; one "
+        "GPU each on CUDA), which must divide its attention heads (default: 1)", type=int, default=1)
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
         f"(default: {DEFAULT_GRACE_S:g})", type=float, default=DEFAULT_GRACE_S)
     opt("--log-level", "LOG_LEVEL", "logging level (default: INFO)", default="INFO")
@@ -223,8 +225,9 @@ def engine_config(args: argparse.Namespace):
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.prefix_caching == "on",
         enforce_eager=args.enforce_eager == "on",
-        cpu_threads=args.cpu_threads or serving_cpu_threads(),
+        cpu_threads=args.cpu_threads or max(1, serving_cpu_threads() // max(1, args.tensor_parallel_size)),
         engine_process=getattr(args, "engine_process", "on") == "on",
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -3,15 +3,21 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from pagoda.engine import parallel
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 
 
 class GPT2Attention(nn.Module):
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        self.num_heads, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.num_heads = parallel.split(cfg.n_head, "the number of attention heads")  # this rank's
+        local = self.num_heads * self.head_dim
+        first = parallel.group().rank * local
+        # c_attn holds q, k and v one after another: this rank's heads of each
+        pieces = {None: [(first, local), (cfg.n_embd + first, local), (2 * cfg.n_embd + first, local)]}
+        self.c_attn = parallel.column_parallel(cfg.n_embd, 3 * local, True, pieces=pieces)
+        self.c_proj = parallel.RowParallelLinear(cfg.n_embd, cfg.n_embd, bias=True)
         scale = self.head_dim ** -0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1
@@ -27,8 +33,8 @@ class GPT2MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         inner = cfg.n_inner or 4 * cfg.n_embd
-        self.c_fc = nn.Linear(cfg.n_embd, inner)
-        self.c_proj = nn.Linear(inner, cfg.n_embd)
+        self.c_fc = parallel.column_parallel(cfg.n_embd, inner, True)
+        self.c_proj = parallel.RowParallelLinear(inner, cfg.n_embd, bias=True)
         self.act = ACT2FN[cfg.activation_function]
 
     def forward(self, x):
@@ -53,12 +59,12 @@ class GPT2LMHeadModel(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = parallel.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = parallel.ParallelLMHead(cfg.n_embd, cfg.vocab_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -79,5 +85,8 @@ class GPT2LMHeadModel(nn.Module):
             return None
         return name, None
 
+    def stored_transposed(self, name: str) -> bool:
+        return name.endswith(self._conv1d)
+
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.t() if name.endswith(self._conv1d) else tensor
+        return tensor.t() if self.stored_transposed(name) else tensor

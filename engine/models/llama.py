@@ -3,6 +3,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from pagoda.engine import parallel
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -33,13 +34,17 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        # this rank's share of the heads (all of them without tensor parallelism)
+        heads = cfg.num_attention_heads
+        self.head_dim = hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.num_heads = parallel.split(heads, "the number of attention heads")
+        self.num_kv_heads, first_kv = parallel.kv_heads(getattr(cfg, "num_key_value_heads", None) or heads)
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        q_rows, kv_rows = (parallel.group().rank * self.q_size, self.q_size), (first_kv * hd, self.kv_size)
+        self.qkv_proj = parallel.column_parallel(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias,
+                                                 pieces={0: [q_rows], 1: [kv_rows], 2: [kv_rows]})
         self.qkv_proj.shard_offsets = (0, self.q_size, self.q_size + self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = parallel.RowParallelLinear(heads * hd, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
@@ -63,10 +68,11 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.gate_up_proj.shard_offsets = (0, cfg.intermediate_size)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.intermediate_size = n = parallel.split(cfg.intermediate_size, "intermediate_size")
+        rows = (parallel.group().rank * n, n)
+        self.gate_up_proj = parallel.column_parallel(cfg.hidden_size, 2 * n, bias, pieces={0: [rows], 1: [rows]})
+        self.gate_up_proj.shard_offsets = (0, n)
+        self.down_proj = parallel.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = ACT2FN[cfg.hidden_act]
         self.is_silu = cfg.hidden_act == "silu"
 
@@ -107,12 +113,12 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(cfg, "attention_bias", False)
         options = dict(qkv_bias=bias if qkv_bias is None else qkv_bias,
                        o_bias=bias if o_bias is None else o_bias, qk_norm=qk_norm)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = parallel.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, **options) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = parallel.ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

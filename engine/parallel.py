@@ -1,0 +1,165 @@
+"""Tensor parallelism, Megatron style, over torch.distributed process groups (gloo on CPU, NCCL on
+CUDA; the same code for both): the group this process computes in, and the layers that split a
+model's weights over it.
+
+Column-parallel layers split their output features (QKV by heads, gate/up by the intermediate
+size): no communication. Row-parallel layers split their input features and all-reduce their
+output (the bias added once). The embedding and the LM head split the vocabulary (padded to a
+multiple of the group size); the embedding all-reduces, the LM head's logits are gathered. With
+fewer KV heads than ranks, each rank keeps the KV head its query heads use (replicated, as vLLM).
+
+Each layer records which rows or columns of the checkpoint's tensors it holds (`tp_dim`,
+`tp_parts`), so that the loader reads only those (engine/loader.py). The group is set by
+`use_group` before a model is built; without one everything is a plain single-device layer."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+    pg: object = None  # a torch.distributed ProcessGroup (ProcessGroupGloo / ProcessGroupNCCL)
+
+
+# the group the layers being built belong to (each layer keeps its own: a process may run several
+# engines, one by one, and the engine loop may run in another thread than the one that built it)
+_local = threading.local()
+_SINGLE = TPGroup(0, 1)
+
+
+def group() -> TPGroup:
+    return getattr(_local, "group", _SINGLE)
+
+
+def use_group(g: TPGroup | None) -> None:
+    _local.group = g or _SINGLE
+
+
+def check_splits(cfg, size: int) -> None:
+    """ValueError, naming what does not divide, if a model of this HF config cannot be split over
+    `size` ranks (the layers' own checks, run before any rank starts)."""
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    inner = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * cfg.n_embd
+    use_group(TPGroup(0, size))
+    try:
+        split(heads, "the number of attention heads")
+        kv_heads(getattr(cfg, "num_key_value_heads", None) or heads)
+        split(inner, "intermediate_size")
+    finally:
+        use_group(None)
+
+
+def all_reduce(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    if g.size > 1:
+        g.pg.allreduce([x]).wait()
+    return x
+
+
+def all_gather_last(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """x: [n, d] on every rank -> [n, size * d], rank order."""
+    if g.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    g.pg.allgather([parts], [x]).wait()
+    return torch.cat(parts, dim=-1)
+
+
+def split(n: int, what: str) -> int:
+    """n split evenly over the group; a clear error where it does not divide."""
+    size = group().size
+    if n % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide {what} ({n})")
+    return n // size
+
+
+def kv_heads(num_kv_heads: int) -> tuple[int, int]:
+    """(KV heads this rank holds, the first one's index): a share, or with fewer heads than ranks
+    the one head this rank's query heads use (replicated)."""
+    g = group()
+    if num_kv_heads >= g.size:
+        n = split(num_kv_heads, "the number of KV heads")
+        return n, g.rank * n
+    if g.size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {g.size} must be a multiple of the number of KV heads "
+                         f"({num_kv_heads}) when it exceeds it")
+    return 1, g.rank * num_kv_heads // g.size
+
+
+def _mark(layer: nn.Module, dim: int, parts: dict) -> nn.Module:
+    """The checkpoint ranges the layer's weight holds: parts[shard] = [(start, length), ...] along dim
+    (shard: the index of a fused piece, e.g. q/k/v, or None)."""
+    layer.tp_dim, layer.tp_parts = dim, parts
+    return layer
+
+
+def column_parallel(in_features: int, out_features: int, bias: bool, pieces=None) -> nn.Linear:
+    """Output features split. `pieces`: the fused pieces' (full size, first row, rows held) by shard
+    index, when the checkpoint stores them as separate tensors (q/k/v, gate/up) or as one (pieces
+    under None as a list)."""
+    g = group()
+    if pieces is None:
+        n = split(out_features, "a layer's output size")
+        pieces = {None: [(g.rank * n, n)]}
+    local = sum(length for ranges in pieces.values() for _, length in ranges)
+    return _mark(nn.Linear(in_features, local, bias=bias), 0, pieces)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split; the partial outputs are summed over the group (bias on rank 0 only)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        g = group()
+        n = split(in_features, "a layer's input size")
+        super().__init__(n, out_features, bias=bias)
+        _mark(self, 1, {None: [(g.rank * n, n)]})
+        self.tp = g
+
+    def forward(self, x):
+        return all_reduce(super().forward(x), self.tp)
+
+
+def _vocab_share(vocab_size: int) -> tuple[int, int, int]:
+    """(rows per rank, this rank's first row, rows of the checkpoint it holds)."""
+    g = group()
+    per = -(-vocab_size // g.size)
+    start = g.rank * per
+    return per, start, max(0, min(per, vocab_size - start))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding's rows split by vocabulary; each rank looks up its own ids, zeros elsewhere, summed."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        per, self.vocab_start, held = _vocab_share(vocab_size)
+        super().__init__(per, dim)
+        self.tp = group()
+        _mark(self, 0, {None: [(self.vocab_start, held)]})
+
+    def forward(self, ids):
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside[:, None], 0.0), self.tp)
+
+
+class ParallelLMHead(nn.Linear):
+    """The LM head's rows split by vocabulary; logits gathered (padding rows dropped)."""
+
+    def __init__(self, dim: int, vocab_size: int):
+        per, start, held = _vocab_share(vocab_size)
+        super().__init__(dim, per, bias=False)
+        self.vocab_size, self.tp = vocab_size, group()
+        _mark(self, 0, {None: [(start, held)]})
+
+    def forward(self, hidden):
+        return all_gather_last(super().forward(hidden), self.tp)[:, :self.vocab_size]  # [n, vocab]
