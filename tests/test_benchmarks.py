@@ -87,3 +87,15 @@ def test_structured_outputs_benchmark(checkpoint, tmp_path):
     assert result["ratio"] == pytest.approx(result["json_schema_tok_s"] / result["free_tok_s"])
     assert result["compile"]["cases"] == 21 and result["masks"]["steps"] > 0
     assert "every request under a JSON schema" in r.stdout
+
+
+def test_tensor_parallel_benchmark(checkpoint, tmp_path):
+    out = tmp_path / "tp.json"
+    args = [a for a in WORKLOAD if a not in ("--no-progress", "--threads", "1")]
+    r = _run("tensor_parallel.py", "--model", checkpoint("llama"), *args, "--repeats", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["tp1_tok_s"] > 0 and result["tp2_tok_s"] > 0
+    d = result["detail"]
+    assert d["all_reduces"] == 2 * 2 + 1  # two per layer (attention, MLP) of the 2-layer model, and the embedding
+    assert d["step_record_bytes"] > 0 and result["record"]["socket_round_trip_us"] > 0

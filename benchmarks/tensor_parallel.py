@@ -1,0 +1,192 @@
+"""Tensor parallelism's cost on this machine: offline throughput with the model split over N ranks
+against one rank, same workload, same cores (one rank with every core's threads; N ranks with the
+cores shared among them), runs alternating; where a split step's time goes on rank 0 (the model's
+collectives, sending the step to the other ranks); the bytes moved per step; and the step record
+sent over the ranks' sockets against a gloo broadcast of the same bytes.
+
+    python benchmarks/tensor_parallel.py --model-config tiny --num-requests 64 --input-len 32 256 --output-len 128 128 --repeats 3
+"""
+import argparse
+import datetime
+import json
+import os
+import pickle
+import statistics
+import sys
+import time
+
+import common
+import torch
+
+
+class Counted:
+    """Wraps a function: calls, seconds, and the bytes of its first tensor argument."""
+
+    def __init__(self, fn):
+        self.fn, self.calls, self.seconds, self.bytes = fn, 0, 0.0, 0
+
+    def __call__(self, x, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(x, *a, **kw)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            self.bytes += x.numel() * x.element_size()
+
+
+def run(llm, workload) -> float:
+    from pagoda.engine import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for _, n in workload]
+    t0 = time.perf_counter()
+    outs = llm.generate([ids for ids, _ in workload], params)
+    elapsed = time.perf_counter() - t0
+    assert all(o.finish_reason == "length" for o in outs)
+    return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def where_time_goes(llm, workload) -> dict:
+    """One split run with rank 0's collectives and step sends timed (per engine step)."""
+    import pagoda.engine.model_runner as runner_module
+    from pagoda.engine import parallel
+
+    reduce, gather = Counted(parallel.all_reduce), Counted(parallel.all_gather_last)
+    workers, engine = llm.engine.workers, llm.engine
+    timers = {"send": 0.0, "step": 0.0, "steps": 0}
+    sizes = []
+    real_inputs, real_send, real_step = runner_module.step_inputs, workers.send, engine.step
+
+    def step_inputs(*a):
+        record = real_inputs(*a)
+        sizes.append(len(pickle.dumps(record)))
+        return record
+
+    def send(record):
+        t0 = time.perf_counter()
+        real_send(record)
+        timers["send"] += time.perf_counter() - t0
+
+    def step(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return real_step(*a, **kw)
+        finally:
+            timers["step"] += time.perf_counter() - t0
+            timers["steps"] += 1
+    parallel.all_reduce, parallel.all_gather_last = reduce, gather
+    runner_module.step_inputs, workers.send, engine.step = step_inputs, send, step
+    try:
+        run(llm, workload)
+    finally:
+        parallel.all_reduce, parallel.all_gather_last = reduce.fn, gather.fn
+        runner_module.step_inputs = real_inputs
+        del workers.send, engine.step
+    n = timers["steps"]
+    return {"steps": n, "step_ms": 1e3 * timers["step"] / n, "send_ms": 1e3 * timers["send"] / n,
+            "all_reduce_ms": 1e3 * reduce.seconds / n, "all_reduces": reduce.calls / n,
+            "all_reduce_bytes": reduce.bytes / n, "all_gather_ms": 1e3 * gather.seconds / n,
+            "all_gather_bytes": gather.bytes / n, "step_record_bytes": statistics.mean(sizes) if sizes else 0}
+
+
+def socket_vs_broadcast(nbytes: int, repeats: int = 200) -> dict:
+    """Send `nbytes` to one other process: over a multiprocessing connection (what pagoda does) and as a
+    gloo broadcast (length, then payload), round trips timed on this side."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_echo_peer, args=(b, store.port, repeats))
+    proc.start()
+    pg = torch.distributed.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=60))
+    payload = os.urandom(nbytes)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a.send_bytes(payload)
+        a.recv_bytes()
+    pipe = (time.perf_counter() - t0) / repeats
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    size = torch.tensor([nbytes])
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        pg.broadcast(size, 0).wait()
+        pg.broadcast(buf, 0).wait()
+        pg.broadcast(size, 1).wait()  # the peer's answer, as the pipe's
+    gloo = (time.perf_counter() - t0) / repeats
+    proc.join(30)
+    return {"bytes": nbytes, "socket_round_trip_us": 1e6 * pipe, "gloo_broadcast_round_trip_us": 1e6 * gloo}
+
+
+def _echo_peer(conn, port: int, repeats: int) -> None:
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, False)
+    pg = torch.distributed.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=60))
+    for _ in range(repeats):
+        conn.send_bytes(conn.recv_bytes())
+    size = torch.zeros(1, dtype=torch.int64)
+    for _ in range(repeats):
+        pg.broadcast(size, 0).wait()
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        pg.broadcast(buf, 0).wait()
+        pg.broadcast(size, 1).wait()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_model_args(p)
+    common.add_workload_args(p, num_requests=64, input_len=(32, 256), output_len=(128, 128))
+    p.add_argument("--tensor-parallel-size", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each, alternating; medians (default 3)")
+    p.add_argument("--json", metavar="PATH")
+    common.add_results_args(p)
+    return common.finish_args(p.parse_args(argv))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from pagoda.engine import LLM
+
+    path = common.model_path(args)
+    runs, warmup = common.workloads(args, path, repeats=args.repeats)
+    cores = os.cpu_count() or 1
+    tp = args.tensor_parallel_size
+    one = LLM(path, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
+              cpu_threads=args.threads or cores)
+    split = LLM(path, dtype=args.dtype, device=args.device, enable_prefix_caching=False,
+                tensor_parallel_size=tp, cpu_threads=max(1, (args.threads or cores) // tp))
+    try:
+        for llm in (one, split):
+            run(llm, warmup)
+        singles, splits = [], []
+        for workload in runs:
+            singles.append(run(one, workload))
+            splits.append(run(split, workload))
+        detail = where_time_goes(split, runs[0])
+    finally:
+        split.engine.close()
+    record = socket_vs_broadcast(int(detail["step_record_bytes"]) or 1024)
+    a, b = statistics.median(singles), statistics.median(splits)
+    result = {"tp1_tok_s": a, f"tp{tp}_tok_s": b, "ratio": b / a, "detail": detail, "record": record,
+              "tp1_runs": singles, f"tp{tp}_runs": splits}
+    d = detail
+    body = common.markdown_table(["run", "tokens/s (median)", "ratio"], [
+        [f"1 rank, {args.threads or cores} threads", f"{a:.0f}", "1.00"],
+        [f"{tp} ranks, {max(1, (args.threads or cores) // tp)} thread(s) each", f"{b:.0f}", f"{b / a:.2f}"]])
+    body += (f"\n\nSplit run, rank 0, per engine step ({d['steps']} steps, {d['step_ms']:.2f} ms each): "
+             f"{d['all_reduces']:.0f} all-reduces, {d['all_reduce_ms']:.2f} ms, {d['all_reduce_bytes'] / 1024:.0f} KiB; "
+             f"logits all-gather {d['all_gather_ms']:.2f} ms, {d['all_gather_bytes'] / 1024:.0f} KiB (this rank's "
+             f"share); the step record to each other rank {d['step_record_bytes'] / 1024:.1f} KiB, sent in "
+             f"{d['send_ms']:.3f} ms. "
+             f"That record, round trip to one other process: over the ranks' socket "
+             f"{record['socket_round_trip_us']:.0f} us, as a gloo broadcast {record['gloo_broadcast_round_trip_us']:.0f} us.")
+    print(body)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if not args.no_results:
+        common.append_results(args.results, f"tensor parallelism on CPU ({tp} ranks vs 1)", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
