@@ -144,3 +144,15 @@ def test_a_hung_rank_fails_the_engine_within_its_timeout(checkpoint):
         os.kill(rank.pid, signal.SIGKILL)
         srv.stop()
     assert rank.wait(10) is not None
+
+
+def test_serve_refuses_a_size_that_does_not_divide_in_one_line(checkpoint):
+    srv = ServeProcess("--model", checkpoint("llama"), "--tensor-parallel-size", "3")
+    try:
+        assert srv.proc.wait(120) != 0
+        time.sleep(0.5)
+        lines = [line for line in srv.output().splitlines() if "ERROR" in line]
+        assert lines and lines[0].endswith("loading the engine failed: tensor_parallel_size 3 must divide the number "
+                                           "of attention heads (4)")
+    finally:
+        srv.kill()
