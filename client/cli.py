@@ -154,7 +154,8 @@ def _one_line_errors(fn):
 
 
 # gRPC's own wording when no connection was made; the server's UNAVAILABLE (loading, draining) differs.
-_NO_CONNECTION = ("failed to connect", "errors resolving", "dns resolution failed", "empty address list")
+_NO_CONNECTION = ("failed to connect", "errors resolving", "dns resolution failed", "empty address list",
+                  "connections to all backends failing")  # the last: round_robin, for several targets
 _TLS_WORDS = ("tls", "ssl", "certificate", "handshake", "socket closed", "verification")
 
 
@@ -166,9 +167,12 @@ def _rpc_message(args: argparse.Namespace, e) -> str:
     if code == grpc.StatusCode.UNAVAILABLE and details.lower().startswith(_NO_CONNECTION):
         # gRPC's detail is "failed to connect to all addresses; last error: UNKNOWN: ipv4:...: <why>"
         why = next((s for s in reversed(details.split(": ")) if s.strip(" []") not in ("", "OK")), details)
-        hint = ("check --tls, --tls-ca and --tls-server-name against the server's TLS setup"
-                if any(w in details.lower() for w in _TLS_WORDS)
-                else "is `pagoda serve` running? set --target or PAGODA_TARGET")
+        if "backend unhealthy" in details:  # several replicas: all connected, none SERVING
+            hint = "no replica is SERVING yet (loading) or any more (draining); --wait SECONDS waits"
+        elif any(w in details.lower() for w in _TLS_WORDS):
+            hint = "check --tls, --tls-ca and --tls-server-name against the server's TLS setup"
+        else:
+            hint = "is `pagoda serve` running? set --target or PAGODA_TARGET"
         return f"cannot reach a pagoda server at {args.target} (UNAVAILABLE: {why.strip(' []')}; {hint})"
     if code == grpc.StatusCode.NOT_FOUND and args.command == "health":
         from pagoda.client.client import SERVICE_NAME
@@ -223,8 +227,12 @@ def _default_target() -> str:
 def _add_target(p: argparse.ArgumentParser, timeout: float | None = None) -> None:
     env = os.environ.get
     p.add_argument("--target", default=_default_target(),
-                   help="server address host:port (default: localhost:50051, or localhost:$PAGODA_PORT) "
-                        "[env PAGODA_TARGET]")
+                   help="server address host:port (default: localhost:50051, or localhost:$PAGODA_PORT); "
+                        "several replicas as a comma-separated list host1:port1,host2:port2, or "
+                        "dns:///NAME:PORT for every address of a DNS name (e.g. a Kubernetes headless "
+                        "Service): calls are balanced round_robin over the SERVING replicas and a call "
+                        "refused UNAVAILABLE is retried on another (several targets with TLS need "
+                        "--tls-server-name) [env PAGODA_TARGET]")
     p.add_argument("--timeout", type=_ranged(float, 0, lo_open=True), default=timeout,
                    help=f"deadline of each call in seconds (default: {timeout if timeout else 'none'})")
     p.add_argument("--wait", type=_ranged(float, 0), default=0.0, metavar="SECONDS",
@@ -259,9 +267,12 @@ def _connect(args: argparse.Namespace):
             _read_file(flag, path)  # so that a bad path names its flag
     # while waiting, retry the connection every second, not after gRPC's backoff (growing to 2 minutes)
     options = [("grpc.max_reconnect_backoff_ms", 1000)] if args.wait else []
-    client = Client(args.target, timeout=args.timeout, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca,
-                    tls_cert=args.tls_client_cert, tls_key=args.tls_client_key,
-                    tls_server_name=args.tls_server_name, options=options)
+    try:
+        client = Client(args.target, timeout=args.timeout, api_key=args.api_key, tls=args.tls, tls_ca=args.tls_ca,
+                        tls_cert=args.tls_client_cert, tls_key=args.tls_client_key,
+                        tls_server_name=args.tls_server_name, options=options)
+    except ValueError as e:  # a malformed or unresolvable list of targets; TLS to several without a name
+        raise CliError(f"--target {args.target}: {e}", usage=True) from None
     if args.wait:
         try:
             client.wait_ready(args.wait)

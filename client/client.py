@@ -13,10 +13,26 @@ Security: `api_key=` sends `authorization: Bearer <key>` with every call; `tls_c
 the CA that signed the server's certificate; or `tls=True` for the system roots) makes the channel
 TLS, `tls_cert=`/`tls_key=` add a client certificate (mutual TLS), `tls_server_name=` checks the
 server's certificate against that name instead of the target's host.
+
+Replicas: the target may name several servers, `Client(["10.0.0.1:50051", "10.0.0.2:50051"])` or
+`Client("host1:50051,host2:50051")`, or a DNS name with several addresses,
+`Client("dns:///pagoda-headless.NAMESPACE.svc.cluster.local:50051")` (a Kubernetes headless Service;
+gRPC re-resolves it when a connection drops; see deploy/kubernetes/README.md). Such a channel (see
+replica_service_config) balances calls round_robin over the replicas, picking one per call, instead of
+pinning every call to the first address; skips a replica whose grpc.health.v1 status for
+pagoda.v1.GenerationService is not SERVING (loading, draining: client-side health checking); and retries
+a call that failed UNAVAILABLE (a replica that is draining, or gone) on another one, up to
+RETRY_ATTEMPTS attempts in all. gRPC retries only a call that has not been committed: a stream that has
+already received a message is never retried. Host names in a list are resolved once, when the channel is
+made (gRPC's ipv4:/ipv6: targets take addresses only); a dns:/// target follows changes. With TLS and
+several host:port targets give tls_server_name, the name the replicas' certificate was issued for: there
+is no single host name to check it against.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
+import socket
 import time
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
@@ -28,6 +44,9 @@ from pagoda.v1 import generation_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "localhost:50051"
 SERVICE_NAME = "pagoda.v1.GenerationService"
+RETRY_ATTEMPTS = 5  # the most gRPC allows: the first attempt and up to 4 retries
+# gRPC name-resolver schemes: such a target goes to gRPC as it is
+_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
 
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "n")
@@ -121,13 +140,99 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
-def make_channel(target: str = DEFAULT_TARGET, *, aio: bool = False, tls: bool = False, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None, tls_server_name: str | None = None,
-                 options: Sequence[tuple[str, object]] = ()):
-    """A plaintext channel, or a TLS one when tls / tls_ca / tls_cert is given (PEM file paths)."""
+def replica_service_config(health_check: bool = True) -> dict:
+    """The gRPC service config of a channel to several replicas: round_robin over every address (a
+    new pick per call), client-side health checking on pagoda.v1.GenerationService (a replica that
+    reports NOT_SERVING, i.e. loads or drains, gets no new calls), and retries of UNAVAILABLE for
+    the service's methods (a retry goes to the next replica in the rotation)."""
+    config: dict = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [{
+            "name": [{"service": SERVICE_NAME}],
+            "retryPolicy": {"maxAttempts": RETRY_ATTEMPTS, "initialBackoff": "0.1s", "maxBackoff": "2s",
+                            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+        }],
+    }
+    if health_check:
+        config["healthCheckConfig"] = {"serviceName": SERVICE_NAME}
+    return config
+
+
+def _split_host_port(entry: str) -> tuple[str, int]:
+    host, sep, port = entry.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or (":" in host and
+                                                                                  not entry.startswith("[")):
+        raise ValueError(f"each of several targets must be host:port (an IPv6 address as [addr]:port), got {entry!r}")
+    return host, int(port)
+
+
+def _addresses(entries: list[str]) -> str:
+    """host:port entries as one gRPC target, ipv4:a:p,b:p or ipv6:[a]:p,[b]:p, host names resolved."""
+    found: dict[int, list[str]] = {socket.AF_INET: [], socket.AF_INET6: []}
+    per_entry = []
+    for entry in entries:
+        host, port = _split_host_port(entry)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ValueError(f"cannot resolve {host!r} (of the target {entry!r}): {e.strerror or e}") from None
+        families = set()
+        for family, _, _, _, addr in infos:
+            if family in found:
+                families.add(family)
+                ip = ipaddress.ip_address(addr[0].split("%")[0])  # (a link-local address loses its scope)
+                one = f"{ip}:{port}" if family == socket.AF_INET else f"[{ip}]:{port}"
+                if one not in found[family]:
+                    found[family].append(one)
+        per_entry.append((entry, families))
+    for family, scheme in ((socket.AF_INET, "ipv4"), (socket.AF_INET6, "ipv6")):
+        if all(family in families for _, families in per_entry):
+            return f"{scheme}:" + ",".join(found[family])
+    raise ValueError("several targets must all have IPv4 addresses or all IPv6 ones (gRPC cannot mix the "
+                     f"two in one channel): {', '.join(entries)}")
+
+
+def channel_target(target: str | Sequence[str]) -> tuple[str, bool]:
+    """(the target gRPC is given, whether it may name several replicas). A list of host:port, or a
+    comma-separated string of them, becomes an ipv4:/ipv6: target of their addresses; a dns: target
+    (dns:///name:port) may resolve to several addresses; anything else is passed on as it is."""
+    if isinstance(target, str):
+        if target.startswith(_SCHEMES) or "," not in target:
+            return target, target.startswith("dns:") or (target.startswith(("ipv4:", "ipv6:")) and "," in target)
+        entries = [t.strip() for t in target.split(",") if t.strip()]
+    else:
+        entries = [t.strip() for t in target if t and t.strip()]
+    if not entries:
+        raise ValueError(f"no target given: {target!r}")
+    if len(entries) == 1:
+        return entries[0], False
+    return _addresses(entries), True
+
+
+def make_channel(target: str | Sequence[str] = DEFAULT_TARGET, *, aio: bool = False, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 tls_server_name: str | None = None, options: Sequence[tuple[str, object]] = (),
+                 balance: bool | None = None, health_check: bool = True):
+    """A plaintext channel, or a TLS one when tls / tls_ca / tls_cert is given (PEM file paths).
+
+    `target`: host:port; several, as a list or a comma-separated string (host names are resolved
+    now); or a gRPC target such as dns:///name:port. `balance`: round_robin over the replicas with
+    retries and, with `health_check`, client-side health checking (replica_service_config); by
+    default on for several targets and for dns: targets, off for one host:port (as it was). A
+    grpc.service_config in `options` wins over this one."""
     options = list(options)
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("a client certificate needs both tls_cert and tls_key")
+    target, replicas = channel_target(target)
+    if replicas and target.startswith(("ipv4:", "ipv6:")) and (tls or tls_ca or tls_cert) and not tls_server_name:
+        raise ValueError("TLS to several targets needs tls_server_name (--tls-server-name): the name the "
+                         "servers' certificate was issued for")
+    if balance if balance is not None else replicas:
+        if not any(name == "grpc.service_config" for name, _ in options):
+            options.append(("grpc.service_config", json.dumps(replica_service_config(health_check))))
+        options.append(("grpc.enable_retries", 1))
     if not (tls or tls_ca or tls_cert):
         return grpc.aio.insecure_channel(target, options=options) if aio else grpc.insecure_channel(target, options)
     creds = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
@@ -143,7 +248,8 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class _Base:
-    def __init__(self, target: str, timeout: float | None, channel, api_key: str | None, aio: bool, **tls):
+    def __init__(self, target: str | Sequence[str], timeout: float | None, channel, api_key: str | None, aio: bool,
+                 **tls):
         self.channel = channel or make_channel(target, aio=aio, **tls)
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -160,14 +266,18 @@ class _Base:
 
 
 class Client(_Base):
-    """Blocking client. `timeout` (seconds) is the default deadline of each call; None: no deadline."""
+    """Blocking client. `timeout` (seconds) is the default deadline of each call; None: no deadline.
+    `target`: host:port, several (a list, or "host1:port1,host2:port2") or a gRPC target such as
+    dns:///name:port; `balance`, `health_check`: see make_channel (and the module's "Replicas")."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+    def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, timeout: float | None = None,
                  channel: grpc.Channel | None = None, *, api_key: str | None = None, tls: bool = False,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 tls_server_name: str | None = None, options: Sequence[tuple[str, object]] = ()):
+                 tls_server_name: str | None = None, options: Sequence[tuple[str, object]] = (),
+                 balance: bool | None = None, health_check: bool = True):
         super().__init__(target, timeout, channel, api_key, False, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
-                         tls_key=tls_key, tls_server_name=tls_server_name, options=options)
+                         tls_key=tls_key, tls_server_name=tls_server_name, options=options, balance=balance,
+                         health_check=health_check)
 
     def __enter__(self):
         return self
@@ -224,12 +334,14 @@ class Client(_Base):
 class AsyncClient(_Base):
     """asyncio client; same methods as Client, awaitable (generate_stream is an async iterator)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None,
+    def __init__(self, target: str | Sequence[str] = DEFAULT_TARGET, timeout: float | None = None,
                  channel: grpc.aio.Channel | None = None, *, api_key: str | None = None, tls: bool = False,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 tls_server_name: str | None = None, options: Sequence[tuple[str, object]] = ()):
+                 tls_server_name: str | None = None, options: Sequence[tuple[str, object]] = (),
+                 balance: bool | None = None, health_check: bool = True):
         super().__init__(target, timeout, channel, api_key, True, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
-                         tls_key=tls_key, tls_server_name=tls_server_name, options=options)
+                         tls_key=tls_key, tls_server_name=tls_server_name, options=options, balance=balance,
+                         health_check=health_check)
 
     async def __aenter__(self):
         return self

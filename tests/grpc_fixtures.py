@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import contextlib
 import functools
+import glob
 import os
 import re
 import shutil
@@ -225,3 +226,25 @@ def wait_all_blocks_free(client, timeout: float = 15.0):
         if time.monotonic() > deadline:
             pytest.fail(f"KV blocks not freed: {s}")
         time.sleep(0.02)
+
+
+def children(pid: int) -> set[int]:
+    """The pids of a process's children (from /proc)."""
+    found = set()
+    for path in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(path) as f:
+                found |= {int(x) for x in f.read().split()}
+        except OSError:
+            pass
+    return found
+
+
+def is_gone(pid: int) -> bool:
+    """Whether a process has exited (a zombie counts: only its reaping is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")  # a zombie waits only for init to reap it

@@ -3,7 +3,6 @@ while it drains ends the server and its engine process within seconds, leaving n
 an engine process that dies (kill -9) fails its calls with UNAVAILABLE, turns health NOT_SERVING and
 makes the server exit 1 so that its supervisor restarts it. And a backend that cannot run a model is
 refused when the engine loads, not on every request."""
-import glob
 import os
 import signal
 import socket
@@ -12,33 +11,13 @@ import time
 import grpc
 import pytest
 
-from grpc_fixtures import ServeProcess, tiny_checkpoint
+from grpc_fixtures import ServeProcess, children, is_gone, tiny_checkpoint
 from pagoda.client.client import Client
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 SERVE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64"]
-
-
-def children(pid: int) -> set[int]:
-    found = set()
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        try:
-            with open(path) as f:
-                found |= {int(x) for x in f.read().split()}
-        except OSError:
-            pass
-    return found
-
-
-def is_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")  # a zombie waits only for init to reap it
 
 
 def engine_process(proc: ServeProcess, timeout: float = 120) -> int:

@@ -156,3 +156,25 @@ def test_serve_refuses_a_size_that_does_not_divide_in_one_line(checkpoint):
                                            "of attention heads (4)")
     finally:
         srv.kill()
+
+
+def test_prompt_logprobs_and_structured_outputs_with_two_ranks(checkpoint):
+    """The logits calls a step makes beyond sampling (prompt scoring, chunk by chunk) reach every rank."""
+    from pagoda.engine.structured import StructuredOutputs
+
+    params = [SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(regex="[a-z]{3}-[0-9]{2}"))]
+    prompts = [[3 + i % 250 for i in range(297)], "Hello"]  # 297 prompt tokens: scored in two chunks
+    results = []
+    for tp in (1, 2):
+        llm = LLM(checkpoint("llama"), num_kv_blocks=64, tensor_parallel_size=tp)
+        try:
+            results.append(llm.generate(prompts, params))
+        finally:
+            llm.engine.close()
+    one, two = results
+    assert [o.token_ids for o in one] == [o.token_ids for o in two]
+    a, b = one[0].prompt_logprobs[1:], two[0].prompt_logprobs[1:]
+    assert len(a) == len(b) == 296
+    assert [x.logprob for x in b] == pytest.approx([x.logprob for x in a], abs=1e-4)
+    assert [x.top[0][0] for x in b] == [x.top[0][0] for x in a]
