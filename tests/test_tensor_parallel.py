@@ -178,3 +178,21 @@ def test_prompt_logprobs_and_structured_outputs_with_two_ranks(checkpoint):
     assert len(a) == len(b) == 296
     assert [x.logprob for x in b] == pytest.approx([x.logprob for x in a], abs=1e-4)
     assert [x.top[0][0] for x in b] == [x.top[0][0] for x in a]
+
+
+def test_sigterm_stops_every_rank(checkpoint):
+    srv = ServeProcess("--model", checkpoint("llama"), "--tensor-parallel-size", "2", "--num-kv-blocks", "64")
+    try:
+        srv.wait_ready()
+        ranks = _rank_pids(srv.proc.pid)
+        assert len(ranks) == 1
+        with Client(srv.target, timeout=60) as c:
+            assert c.generate("Hello", max_tokens=4).usage.completion_tokens == 4
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.kill()
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{p}") for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(os.path.exists(f"/proc/{p}") for p in ranks)
