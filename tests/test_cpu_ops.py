@@ -72,6 +72,24 @@ def test_decode_attention_matches_torch(dtype, head_dim, num_heads, num_kv_heads
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("min_work", [0, 1 << 40], ids=["split-over-threads", "one-thread"])
+def test_small_calls_run_on_one_thread_with_the_same_result(min_work):
+    """Calls below the work threshold run on one thread (a single stream's decode); both ways agree."""
+    dtype, head_dim, num_heads, num_kv_heads, block_size = CASES[0]
+    context_lens = [5, 40, 17]
+    (k, v), (k_ops, v_ops) = _cache(64, block_size, num_kv_heads, head_dim, dtype)
+    tables = _tables(context_lens, block_size, 64)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(len(context_lens), num_heads, head_dim).to(dtype)
+    want = ref.decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
+    cpu_ops.ops().set_attention_min_work(min_work)
+    try:
+        got = cpu_attention.decode_attention(q, k_ops, v_ops, tables, lens, head_dim ** -0.5)
+    finally:
+        cpu_ops.ops().set_attention_min_work(1 << 18)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size", CASES)
 def test_prefill_attention_over_a_cached_context_matches_torch(dtype, head_dim, num_heads, num_kv_heads,
                                                                block_size):

@@ -19,12 +19,18 @@
 #include "cpu_math.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 namespace {
+
+// Below this many multiply-adds a call runs on one thread: waking the others costs more than it saves,
+// and on a busy machine a descheduled thread holds everyone at the barrier for a whole time slice (a
+// single stream's decode). set_attention_min_work changes it (0: always split; for A/B runs).
+std::atomic<int64_t> min_parallel_work{1 << 18};
 
 struct Shape {
   int64_t heads, head_dim, block_size, kv_heads, group, blocks_per_seq, num_blocks;
@@ -238,10 +244,11 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   const std::vector<Tile> tiles = tile_tokens(seq_of, pos_of, TM);
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * s.kv_heads;
   // contiguous runs of items of about equal cost, one per thread
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  std::vector<int64_t> bounds{0};  // thread i takes items [bounds[i], bounds[i + 1])
   int64_t total = 0, so_far = 0;
   for (const Tile& tile : tiles) total += tile.cost * s.kv_heads;
+  const bool small = total * s.group * D * 2 < min_parallel_work.load(std::memory_order_relaxed);
+  const int64_t num_threads = small ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
+  std::vector<int64_t> bounds{0};  // thread i takes items [bounds[i], bounds[i + 1])
   for (int64_t i = 0; i < num_items; ++i) {
     so_far += tiles[i / s.kv_heads].cost;
     for (int64_t k = static_cast<int64_t>(bounds.size()); k < num_threads && so_far * num_threads >= total * k; ++k)
@@ -405,9 +412,12 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   });
 }
 
+void set_attention_min_work(int64_t work) { min_parallel_work.store(std::max<int64_t>(0, work)); }
+
 }  // namespace
 
 TORCH_LIBRARY(pagoda, m) {
+  m.def("set_attention_min_work(int work) -> ()", &set_attention_min_work);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor? query_start_loc, Tensor context_lens, float scale) -> Tensor");
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
