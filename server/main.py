@@ -123,6 +123,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "keepalive pings the server accepts, also while no data flows (a long prefill); more frequent ones get "
         f"GOAWAY (default: {o.DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S:g})", type=float,
         default=o.DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S)
+    lim("--max-connection-age", "MAX_CONNECTION_AGE", "seconds after which a client is asked to reconnect "
+        "(calls in flight finish first), so that clients balancing over a DNS name pick up new replicas; "
+        "0: never (default: 0)", type=float, default=0.0)
 
     g = p.add_argument_group("security")
 
@@ -163,6 +166,7 @@ def server_options(args: argparse.Namespace):
         keepalive_time=args.keepalive_time,
         keepalive_timeout=args.keepalive_timeout,
         keepalive_min_ping_interval=args.keepalive_min_ping_interval,
+        max_connection_age=args.max_connection_age,
         tls_cert=args.tls_cert or None,
         tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None,

@@ -40,6 +40,9 @@ class ServerOptions:
     keepalive_time: float = DEFAULT_KEEPALIVE_TIME_S
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S
     keepalive_min_ping_interval: float = DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S
+    # seconds after which the server asks a client to reconnect (GOAWAY; calls in flight finish first),
+    # so that clients balancing over a DNS name see replicas added since; 0: never
+    max_connection_age: float = 0.0
     # security
     tls_cert: str | None = None  # PEM file paths
     tls_key: str | None = None
@@ -73,6 +76,7 @@ class ServerOptions:
         positive("keepalive_time", integer=False)
         positive("keepalive_timeout", integer=False)
         positive("keepalive_min_ping_interval", integer=False, zero=True)
+        positive("max_connection_age", integer=False, zero=True)
         if self.http_port is not None and (not isinstance(self.http_port, int) or not 0 <= self.http_port <= 65535):
             raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port!r}")
         if self.metrics_port is None:
@@ -115,4 +119,4 @@ class ServerOptions:
             # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS (this is its real name)
             ("grpc.http2.min_ping_interval_without_data_ms", ms(self.keepalive_min_ping_interval)),
             ("grpc.http2.max_ping_strikes", 2),
-        ]
+        ] + ([("grpc.max_connection_age_ms", ms(self.max_connection_age))] if self.max_connection_age > 0 else [])

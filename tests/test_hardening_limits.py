@@ -321,3 +321,27 @@ def test_keepalive_drops_a_vanished_client_and_frees_its_blocks():
         finally:
             proc.kill()
             proc.wait(10)
+
+
+def test_max_connection_age_recycles_connections_without_cutting_calls(caplog):
+    """--max-connection-age: the server asks a client to reconnect (GOAWAY) once a connection is that
+    old, so that clients balancing over a DNS name see new replicas; a stream running past the age
+    still finishes, and later calls arrive over a new connection (another client port)."""
+    import json as _json
+
+    from grpc_fixtures import slow_steps
+
+    caplog.set_level("INFO", logger="pagoda.requests")
+    with running(ServerOptions(max_connection_age=0.5), num_kv_blocks=64) as srv:
+        with Client(srv.target, timeout=60) as c:
+            with slow_steps(srv.engine, 0.02):
+                msgs = list(c.generate_stream("Hello", max_tokens=60, ignore_eos=True))  # ~1.5 s: past the age
+            assert sum(len(m.token_ids) for m in msgs) == 60 and msgs[-1].finish_reason
+            time.sleep(1.0)
+            for _ in range(3):
+                assert c.generate("Hello", max_tokens=2).usage.completion_tokens == 2
+                time.sleep(0.7)
+    peers = [_json.loads(r.getMessage())["peer"] for r in caplog.records if r.name == "pagoda.requests"]
+    assert len(peers) == 4 and len(set(peers)) >= 2, peers
+    assert ("grpc.max_connection_age_ms", 500) in ServerOptions(max_connection_age=0.5).grpc_options()
+    assert not any(k == "grpc.max_connection_age_ms" for k, _ in ServerOptions().grpc_options())
