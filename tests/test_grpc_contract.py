@@ -127,7 +127,7 @@ def test_request_field_names(msg):
     assert {f.name for f in chat.fields} == {"role", "content"}
     for name in ("request_id", "logprobs", "top_logprobs", "priority", "echo"):
         assert name in d.fields_by_name
-    assert d.fields_by_name["prompt_logprobs"].has_presence
+    assert d.fields_by_name["prompt_logprobs"].has_presence and d.fields_by_name["echo"].has_presence
     sampling = d.fields_by_name["sampling"].message_type
     for name in ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
