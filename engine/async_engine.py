@@ -101,10 +101,12 @@ class AsyncEngine:
 
     @functools.cached_property
     def vocab(self):
-        """The bytes each token id spells (engine/detokenizer.py), for logprob tokens and echoed prompts."""
+        """The bytes each token id spells (engine/detokenizer.py), for logprob tokens and echoed prompts:
+        an in-thread core's own, else read from the tokenizer here."""
         from pagoda.engine.detokenizer import TokenVocab
 
-        return TokenVocab(self.tokenizer, self.model_info.vocab_size)
+        core = self.core
+        return core.vocab if core is not None else TokenVocab(self.tokenizer, self.model_info.vocab_size)
 
     def prompt_text(self, req: EngineRequest) -> str:
         """A request's prompt as text: as the caller wrote it, or what its token ids spell (a prompt given

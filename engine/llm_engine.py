@@ -18,7 +18,7 @@ from pagoda.engine.output_processor import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.protocol import EngineRequest
 from pagoda.engine.scheduler import Scheduler
-from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagoda.engine.sequence import FinishReason, Sequence
 from pagoda.engine.structured import GrammarCompiler
 from pagoda.engine.workers import WorkerSetup, Workers, cpu_threads
 
@@ -166,14 +166,13 @@ class LLMEngine:
                 continue
             error = future.exception()
             for seq in seqs:
-                if seq.is_finished:  # aborted meanwhile
-                    continue
                 if error is not None:
-                    seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, FinishReason.ERROR, str(error)
+                    self.scheduler.finish(seq, FinishReason.ERROR)
+                    seq.error = str(error)
                     self.grammar_failures.append(seq)
-                    continue
-                seq.matcher = future.result().deep_copy()
-                self.scheduler.add(seq)
+                else:
+                    seq.matcher = future.result().deep_copy()
+                    self.scheduler.add(seq)
         self.compiling = still
 
     @property

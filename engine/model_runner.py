@@ -78,12 +78,14 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             prefill_context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             max_query_len=n, max_context_len=n)
-        hidden = self._forward(ids, pos, meta, [pos[-1:]])
-        self.model.compute_logits(hidden[pos[-1:]])
+        self._eager_logits(ids, pos, meta, pos[-1:])
 
     def _eager_logits(self, input_ids, positions, meta, logits_idx=None):
-        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])  # [num_sampled, vocab]
+        hidden = self._forward(input_ids, positions, meta, [logits_idx])
+        return self._logits(hidden, logits_idx)
+
+    def _logits(self, hidden, rows=None):
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])  # [num_rows, vocab]
 
     def _forward(self, input_ids, positions, meta, logits_rows: list) -> torch.Tensor:
         """The model over the step's tokens, on every rank: the other ranks get the step first, with
@@ -101,8 +103,7 @@ class ModelRunner:
         meta = AttentionMetadata(**{k: dev(v) for k, v in step.meta.items()})
         hidden = self.model(dev(step.input_ids), dev(step.positions), meta)
         for rows in step.logits_rows:
-            self.model.compute_logits(hidden if rows is None else hidden[slice(*rows) if isinstance(rows, tuple)
-                                                                        else dev(rows)])
+            self._logits(hidden, slice(*rows) if isinstance(rows, tuple) else dev(rows))
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> "StepResult":
@@ -135,7 +136,7 @@ class ModelRunner:
                           for seq, a, b, targets in scored]
             if not sample_seqs:
                 return StepResult([], None, prompt_lps)
-            logits = self.model.compute_logits(hidden if logits_idx is None else hidden[logits_idx])
+            logits = self._logits(hidden, logits_idx)
         if all(s.params.is_plain_greedy and s.num_generated_tokens >= s.params.min_tokens for s in sample_seqs):
             return StepResult(self.sampler.argmax(logits.float()).tolist(), None, prompt_lps)  # the one sync
         tokens, lp = self.sampler(logits, self._sampling_tensors(sample_seqs))

@@ -142,8 +142,9 @@ class GrammarCompiler:
         invalid, larger than max_bytes, or not compiled within timeout seconds. The same constraint
         is compiled once: later requests share the result (or wait on the compile under way)."""
         text = so.text
-        if max_bytes is not None and len(text.encode()) > max_bytes:
-            raise InvalidRequestError(so.field, f"is {len(text.encode())} bytes, more than the {max_bytes} accepted "
+        size = len(text.encode())
+        if max_bytes is not None and size > max_bytes:
+            raise InvalidRequestError(so.field, f"is {size} bytes, more than the {max_bytes} accepted "
                                                 f"(--max-grammar-bytes)")
         key = f"{so.kind}\0{text}"
         with self._lock:

@@ -219,8 +219,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             for r in responses:
                 for name in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
                     setattr(usage, name, getattr(usage, name) + getattr(r.usage, name))
-            call_id = responses[0].request_id.rpartition("-")[0]  # the prompts' ids are the call's + "-<i>"
-            return pb.GenerateResponse(request_id=call_id, usage=usage, results=responses)
+            return pb.GenerateResponse(request_id=record.request_id, usage=usage, results=responses)
 
     async def GenerateStream(self, request, context):
         record = self._record("GenerateStream", context)

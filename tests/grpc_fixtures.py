@@ -248,3 +248,18 @@ def is_gone(pid: int) -> bool:
     except OSError:
         return True
     return state in ("Z", "X")  # a zombie waits only for init to reap it
+
+
+def assert_all_gone(pids, timeout: float = 10) -> None:
+    """Every one of these processes exits within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(not is_gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in pids if not is_gone(p)]}"
+        time.sleep(0.05)
+
+
+def openai_client(srv):
+    """The official `openai` client against an InProcessServer's HTTP API (no retries: errors show as they are)."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=60)

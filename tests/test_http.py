@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from grpc_fixtures import InProcessServer, engine_config, failing_step, slow_steps, tiny_checkpoint, \
+from grpc_fixtures import InProcessServer, engine_config, failing_step, openai_client, slow_steps, tiny_checkpoint, \
     wait_all_blocks_free
 from pagoda.client.client import Client
 from pagoda.engine import LLM, SamplingParams
@@ -28,7 +28,7 @@ def srv():
 
 @pytest.fixture(scope="module")
 def oai(srv):
-    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(srv)
 
 
 @pytest.fixture(scope="module")

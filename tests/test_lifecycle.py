@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from grpc_fixtures import ServeProcess, children, is_gone, tiny_checkpoint
+from grpc_fixtures import ServeProcess, assert_all_gone, children, tiny_checkpoint
 from pagoda.client.client import Client
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
@@ -34,13 +34,6 @@ def engine_process(proc: ServeProcess, timeout: float = 120) -> int:
                 return pid
         time.sleep(0.05)
     raise AssertionError("no engine process appeared:\n" + proc.output())
-
-
-def assert_all_gone(pids: set[int], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while any(not is_gone(p) for p in pids):
-        assert time.monotonic() < deadline, f"left behind: {[p for p in pids if not is_gone(p)]}"
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from grpc_fixtures import ServeProcess, children, is_gone
+from grpc_fixtures import ServeProcess, assert_all_gone, children
 from pagoda.client.cli import main
 from pagoda.client.client import (RETRY_ATTEMPTS, SERVICE_NAME, AsyncClient, Client, channel_target, collect,
                                   make_channel)
@@ -61,10 +61,7 @@ def _stop_all(procs: list[ServeProcess], families: list[set[int]]) -> None:
         except Exception:
             p.kill()
     pids = set().union(*families) if families else set()
-    deadline = time.monotonic() + 30
-    while any(not is_gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(is_gone(pid) for pid in pids), f"left behind: {[pid for pid in pids if not is_gone(pid)]}"
+    assert_all_gone(pids, timeout=30)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import openai
 import pytest
 import torch
 
-from grpc_fixtures import InProcessServer, engine_config, tiny_checkpoint, wait_all_blocks_free
+from grpc_fixtures import InProcessServer, engine_config, openai_client, tiny_checkpoint, wait_all_blocks_free
 from pagoda.client.client import Client
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
@@ -34,7 +34,7 @@ def client(srv):
 
 @pytest.fixture(scope="module")
 def oai(srv):
-    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(srv)
 
 
 @pytest.fixture(scope="module")

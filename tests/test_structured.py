@@ -17,7 +17,8 @@ import jsonschema
 import openai
 import pytest
 
-from grpc_fixtures import InProcessServer, engine_config, slow_steps, tiny_checkpoint, wait_all_blocks_free
+from grpc_fixtures import InProcessServer, engine_config, openai_client, slow_steps, tiny_checkpoint, \
+    wait_all_blocks_free
 from pagoda.client.client import Client
 from pagoda.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
@@ -185,7 +186,7 @@ def client(srv):
 
 @pytest.fixture(scope="module")
 def oai(srv):
-    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(srv)
 
 
 def test_grpc_structured_output(client):

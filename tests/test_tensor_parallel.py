@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from conftest import FAMILIES
-from grpc_fixtures import InProcessServer, ServeProcess, engine_config
+from grpc_fixtures import InProcessServer, ServeProcess, assert_all_gone, engine_config
 from pagoda.client.client import Client
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
@@ -114,10 +114,7 @@ def test_killing_a_rank_mid_stream_fails_the_calls_and_the_server(checkpoint):
         assert "tensor-parallel rank 1 exited" in srv.output()
     finally:
         srv.kill()
-    deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{p}") for p in ranks) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(os.path.exists(f"/proc/{p}") for p in ranks)
+    assert_all_gone(ranks, timeout=30)
 
 
 def test_a_hung_rank_fails_the_engine_within_its_timeout(checkpoint):
@@ -192,7 +189,4 @@ def test_sigterm_stops_every_rank(checkpoint):
         assert srv.proc.wait(60) == 0
     finally:
         srv.kill()
-    deadline = time.monotonic() + 30
-    while any(os.path.exists(f"/proc/{p}") for p in ranks) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(os.path.exists(f"/proc/{p}") for p in ranks)
+    assert_all_gone(ranks, timeout=30)
