@@ -21,6 +21,10 @@ MODEL_CONFIGS = {
     "qwen3-0.6b": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                                  tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960)),
+    # Qwen2.5-0.5B's shape (issue 19's real model size on CPU): qkv bias, 14 / 2 heads, tied embeddings
+    "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                                   rope_theta=1e6, max_position_embeddings=32768)),
     "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5,
                                 max_position_embeddings=8192)),
@@ -36,11 +40,18 @@ def add_model_args(p) -> None:
     m.add_argument("--model", help="an existing HF checkpoint directory instead")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="pagoda's weight quantization: int8 weight-only linear layers (CPU; default none)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--force", action="store_true", help="build/run a GPU-sized config on CPU anyway")
     g.add_argument("--threads", type=int, help="torch CPU threads for every peer (and a spawned server); "
                                                "default: torch's (the core count). On a shared, busy machine "
                                                "--threads 1 avoids OpenMP threads waiting on descheduled peers")
+
+
+def quantization(args) -> str | None:
+    """The --quantization flag as LLM's option."""
+    return None if args.quantization == "none" else args.quantization
 
 
 def apply_threads(n: int | None) -> None:

@@ -291,7 +291,7 @@ class Pagoda:
     def __init__(self, path, args):
         from pagoda.engine import LLM
         # no prefix caching: llama-server runs with cache_prompt false, so both compute every prompt
-        self.llm = LLM(path, dtype=args.dtype, device=args.device, enable_prefix_caching=False)
+        self.llm = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device, enable_prefix_caching=False)
 
     def run(self, workload) -> tuple[float, list[list[int]]]:
         from pagoda.engine import SamplingParams
@@ -366,7 +366,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("llama.cpp")
     g.add_argument("--llamacpp-version", default=DEFAULT_VERSION,
                    help=f"llama-cpp-python sdist whose vendored llama.cpp is built (default {DEFAULT_VERSION})")
-    g.add_argument("--llamacpp-weights", choices=["f16", "f32"], default="f16", help="GGUF weight type (default f16)")
+    g.add_argument("--llamacpp-weights", choices=["f16", "f32", "bf16", "q8_0"], default="f16",
+                   help="GGUF weight type (default f16; q8_0: llama.cpp's 8-bit blocks of 32, its int8)")
     g.add_argument("--llamacpp-kv", choices=["default", "f32"], default="default",
                    help="KV cache type: llama.cpp's default (f16) or f32 (default: default)")
     g.add_argument("--parallel", type=int, help="llama-server slots -np (default: --num-requests)")
@@ -473,7 +474,8 @@ def report(args, path, gguf, runs, result) -> str:
     model = args.model or f"{args.model_config} (random weights, {path})"
     workload = runs[0]
     built = build_seconds(args.llamacpp_version)
-    parts = [f"Model {model}; pagoda {args.device} {args.dtype}, prefix caching off; llama.cpp "
+    parts = [f"Model {model}; pagoda {args.device} {args.dtype}"
+             f"{'' if args.quantization == 'none' else ' + ' + args.quantization + ' weight-only'}, prefix caching off; llama.cpp "
              f"{args.llamacpp_version} (llama-cpp-python sdist, built with GGML_NATIVE, {built} s build) "
              f"llama-server -np {args.parallel} -cb, {args.llamacpp_weights} weights ({os.path.basename(gguf)}), "
              f"KV {'f32' if args.llamacpp_kv == 'f32' else 'default (f16)'}, cache_prompt false. "

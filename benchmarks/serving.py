@@ -233,7 +233,8 @@ def spawned_server(path: str, args):
     port, http_port = free_port(), free_port()
     cmd = pagoda_command() + ["serve", "--model", path, "--host", "127.0.0.1", "--port", str(port),
                               "--http-port", str(http_port),
-                              "--dtype", args.dtype, "--device", args.device, "--log-level", "WARNING"]
+                              "--dtype", args.dtype, "--quantization", args.quantization,
+                              "--device", args.device, "--log-level", "WARNING"]
     if args.threads:
         cmd += ["--cpu-threads", str(args.threads)]
     cmd += shlex.split(args.server_args or "")
@@ -284,7 +285,8 @@ def stop_server(proc) -> None:
 def offline_throughput(path: str, args) -> dict:
     """Runs throughput.py (pagoda only) on the same model and workload in a separate process."""
     out = tempfile.NamedTemporaryFile(prefix="pagoda-offline-", suffix=".json", delete=False).name
-    cmd = [sys.executable, THROUGHPUT_PY, "--model", path, "--dtype", args.dtype, "--device", args.device,
+    cmd = [sys.executable, THROUGHPUT_PY, "--model", path, "--dtype", args.dtype, "--quantization", args.quantization,
+           "--device", args.device,
            "--num-requests", str(args.num_requests), "--input-len", *map(str, args.input_len),
            "--output-len", *map(str, args.output_len), "--seed", str(args.seed), "--peers", "pagoda",
            "--json", out, "--no-results"]

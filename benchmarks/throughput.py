@@ -40,7 +40,7 @@ def check_lengths(peer: str, outputs: list[list[int]], workload) -> None:
 class Pagoda:
     def __init__(self, path, args, runs):
         from pagoda.engine import LLM
-        self.llm = LLM(path, dtype=args.dtype, device=args.device)
+        self.llm = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device)
 
     def run(self, workload, bar=None) -> list[list[int]]:
         from pagoda.engine import SamplingParams

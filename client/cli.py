@@ -197,7 +197,8 @@ def _offline(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        out = LLM(args.model, dtype=args.dtype).generate([prompt], params)[0]
+        quantization = None if args.quantization == "none" else args.quantization
+        out = LLM(args.model, dtype=args.dtype, quantization=quantization).generate([prompt], params)[0]
     except InvalidRequestError as e:  # names the option: --temperature, --max-tokens, --seed or the prompt
         what = "the prompt" if e.field.startswith("prompt") else f"--{e.field.replace('_', '-')}"
         raise CliError(f"{what} {e.message}", usage=True) from None
@@ -590,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt(p)
     p.add_argument("--model", default=None, help="HF directory or hub id (default: built-in demo model)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="int8: weight-only int8 linear layers (CPU); default none")
     p.add_argument("--max-tokens", type=_MAX_TOKENS, default=32)
     p.add_argument("--temperature", type=_TEMPERATURE, default=0.0)
     p.add_argument("--seed", type=_SEED, default=None)

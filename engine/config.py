@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)  # weight-only int8 on CPU (engine/layers/quantization.py)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 CPU_KV_CACHE_GB = 1.0
@@ -14,6 +15,7 @@ MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 class EngineConfig:
     model: str | None = None  # local HF directory or hub id; None: the built-in demo model
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's bf16/fp16 on CUDA
+    quantization: str | None = None  # "int8": linear weights in int8 (weight-only, CPU); None: in dtype
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit; else derived from the memory budget below
@@ -34,6 +36,8 @@ class EngineConfig:
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("device", self.device, DEVICES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -15,9 +15,10 @@ DEMO_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, 
 _DEMO_VERSION = "3"
 
 
-def build_byte_tokenizer(vocab_size: int | None = None):
+def build_byte_tokenizer(vocab_size: int | None = None, unk_token: str | None = None):
     """A byte-level tokenizer: ids 0..255 are bytes, then special tokens, then (to fill a
-    larger vocabulary) plain tokens <|extra_N|>."""
+    larger vocabulary) plain tokens <|extra_N|>. unk_token: one more special token, for tokenizer
+    classes that add a default one on loading (Qwen2's adds <|endoftext|> past the vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -27,12 +28,13 @@ def build_byte_tokenizer(vocab_size: int | None = None):
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(_SPECIALS)
-    n = len(vocab) + len(_SPECIALS)
+    specials = _SPECIALS + ([unk_token] if unk_token else [])
+    tok.add_special_tokens(specials)
+    n = len(vocab) + len(specials)
     if vocab_size is not None and vocab_size > n:
         tok.add_tokens([f"<|extra_{i}|>" for i in range(vocab_size - n)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                   pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
+                                   pad_token="<|pad|>", unk_token=unk_token, chat_template=CHAT_TEMPLATE)
 
 
 def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printable_output: bool = False,
@@ -44,7 +46,8 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printab
     import transformers as tf
 
     if tokenizer is None:
-        tokenizer = build_byte_tokenizer(overrides.pop("vocab_size", None))
+        unk = "<|endoftext|>" if arch in ("qwen2", "qwen3") else None
+        tokenizer = build_byte_tokenizer(overrides.pop("vocab_size", None), unk_token=unk)
     vocab = len(tokenizer)
     common = dict(vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id)

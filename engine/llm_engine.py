@@ -11,6 +11,7 @@ from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import EngineDeadError
+from pagoda.engine.layers import quantization
 from pagoda.engine.loader import load_hf_config, load_tokenizer, load_weights, resolve_model_path
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.models import architecture_of, build_model
@@ -36,6 +37,7 @@ class LLMEngine:
         self.architecture = architecture_of(self.hf_config)
         self.tokenizer = load_tokenizer(path)
         self.device = _device(config.device)
+        quantization.check(config.quantization, self.device)
         if self.device.type == "cpu" and (config.cpu_threads is not None or config.tensor_parallel_size > 1):
             torch.set_num_threads(cpu_threads(config))
         # tensor parallelism: ranks 1..N-1 start loading their shards now, alongside this one
@@ -67,7 +69,8 @@ class LLMEngine:
             c = self.config
             self.workers.setup(WorkerSetup(c.num_kv_blocks, c.block_size, c.dtype, c.max_model_len))
         self.runner = ModelRunner(self.model, self.config.num_kv_blocks, self.config.block_size, self.dtype,
-                                  self.device, self.config.seed, self.hf_config.vocab_size, backend, self.workers)
+                                  self.device, self.config.seed, self.hf_config.vocab_size, backend, self.workers,
+                                  config.quantization)
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         _log_phase("KV cache", t0, f"{self.config.num_kv_blocks} blocks of {self.config.block_size} tokens, "
                                    f"{kv_bytes / 2**30:.2f} GiB")
@@ -291,7 +294,7 @@ class LLMEngine:
         c = self.config
         return ModelInfo(c.model, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
-                         c.max_num_batched_tokens, c.max_queue_len)
+                         c.max_num_batched_tokens, c.max_queue_len, c.quantization or "")
 
 
 def _log_phase(phase: str, t0: float, what: str) -> None:

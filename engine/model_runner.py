@@ -8,6 +8,7 @@ import torch
 from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
+from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
@@ -21,7 +22,8 @@ SCORED_ROWS = 256  # prompt rows whose logits are computed at once (prompt logpr
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_kv_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int, vocab_size: int, attention_backend=None, workers=None):
+                 device: torch.device, seed: int, vocab_size: int, attention_backend=None, workers=None,
+                 quantization: str | None = None):
         self.model, self.device, self.block_size, self.vocab_size = model, device, block_size, vocab_size
         self.workers = workers  # tensor parallelism: the other ranks (engine/workers.py), sent each step first
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
@@ -39,6 +41,7 @@ class ModelRunner:
                 views = getattr(attention_backend, "cache_views", None)  # a backend's own block layout
                 if views is not None:
                     layer.k_cache, layer.v_cache = views(layer.k_cache, layer.v_cache)
+        quantize_model_(model, quantization)
         if device.type == "cpu":
             _column_major_linears(model)
         # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
@@ -298,7 +301,7 @@ def _column_major_linears(model: torch.nn.Module) -> None:
     shares (tied heads) keep their rows contiguous for the lookups."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in embedded:
+        if isinstance(m, torch.nn.Linear) and m.weight is not None and id(m.weight) not in embedded:
             m.weight.data = m.weight.data.t().contiguous().t()
 
 

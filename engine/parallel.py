@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.engine.layers.quantization import int8_linear
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -100,7 +102,18 @@ def _mark(layer: nn.Module, dim: int, parts: dict) -> nn.Module:
     return layer
 
 
-def column_parallel(in_features: int, out_features: int, bias: bool, pieces=None) -> nn.Linear:
+class Linear(nn.Linear):
+    """nn.Linear, or with weight-only int8 quantization (engine/layers/quantization.py) its int8
+    weight and per-output scales in place of the float weight."""
+    qweight = scales = None
+
+    def forward(self, x):
+        if self.qweight is None:
+            return F.linear(x, self.weight, self.bias)
+        return int8_linear(x, self)
+
+
+def column_parallel(in_features: int, out_features: int, bias: bool, pieces=None) -> Linear:
     """Output features split. `pieces`: the fused pieces' (full size, first row, rows held) by shard
     index, when the checkpoint stores them as separate tensors (q/k/v, gate/up) or as one (pieces
     under None as a list)."""
@@ -109,10 +122,10 @@ def column_parallel(in_features: int, out_features: int, bias: bool, pieces=None
         n = split(out_features, "a layer's output size")
         pieces = {None: [(g.rank * n, n)]}
     local = sum(length for ranges in pieces.values() for _, length in ranges)
-    return _mark(nn.Linear(in_features, local, bias=bias), 0, pieces)
+    return _mark(Linear(in_features, local, bias=bias), 0, pieces)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Input features split; the partial outputs are summed over the group (bias on rank 0 only)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
@@ -152,7 +165,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return all_reduce(out.masked_fill_(outside[:, None], 0.0), self.tp)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """The LM head's rows split by vocabulary; logits gathered (padding rows dropped)."""
 
     def __init__(self, dim: int, vocab_size: int):

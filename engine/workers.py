@@ -245,7 +245,7 @@ def _load(config, path: str, rank: int, port: int, conn):
     head_dim = next(m.head_dim for m in model.modules() if hasattr(m, "head_dim"))
     backend = _attention_backend(config.attention_backend, device, head_dim)
     runner = ModelRunner(model.eval(), setup.num_kv_blocks, setup.block_size, dtype, device, config.seed,
-                         hf_config.vocab_size, backend)
+                         hf_config.vocab_size, backend, quantization=config.quantization)
     runner.group_store = store  # keep the store alive as long as the group
     return runner
 

@@ -54,6 +54,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         f"one, off = none (default: {DEFAULT_HTTP_PORT})", type=_http_port, default=str(DEFAULT_HTTP_PORT))
     opt("--dtype", "DTYPE", "weights/compute dtype (default: auto)", default="auto",
         choices=["auto", "float32", "bfloat16", "float16"])
+    opt("--quantization", "QUANTIZATION", "int8: linear weights in int8 (weight-only, per-output-channel "
+        "scales; CPU only: a quarter of float32's bytes to read each step); none: weights in --dtype "
+        "(default: none)", default="none", choices=["none", "int8"])
     opt("--device", "DEVICE", "cpu, cuda or auto (default: auto)", default="auto", choices=["auto", "cpu", "cuda"])
     opt("--block-size", "BLOCK_SIZE", "tokens per KV cache block (default: 16)", type=int, default=16)
     opt("--num-kv-blocks", "NUM_KV_BLOCKS", "KV cache blocks (default: from the memory budget)", type=int)
@@ -219,6 +222,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(
         model=args.model or None,
         dtype=args.dtype,
+        quantization=None if args.quantization == "none" else args.quantization,
         device=args.device,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,

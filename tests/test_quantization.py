@@ -1,0 +1,124 @@
+"""Weight-only int8 (`quantization="int8"`, CPU): the layers hold int8 weights and scales, both matmul
+paths (torch's int8 kernel for few rows, dequantized chunks beyond) equal a float matmul over the
+dequantized weights, and an engine's log-probabilities stay within bfloat16 rounding of transformers
+run on those same dequantized weights, for every layer kind (fused QKV with bias, GPT-2's Conv1D,
+a tied head). Refusals name the option."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grpc_fixtures import InProcessServer, engine_config, tiny_checkpoint
+from pagoda.client.client import Client
+from pagoda.engine import LLM, EngineConfig, SamplingParams
+from pagoda.engine.layers import quantization as qz
+from pagoda.engine.parallel import Linear
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_quantize_int8_rounds_each_row_to_its_own_scale():
+    w = torch.randn(40, 64) * torch.logspace(-3, 1, 40)[:, None]  # rows of very different magnitude
+    q, scales = qz.quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == (40,)
+    assert q.abs().amax(dim=1).ge(126).all()  # every row uses its range
+    err = (q.float() * scales.float()[:, None] - w).abs()
+    assert (err <= scales.float()[:, None] * 0.51 + w.abs() * 2 ** -8).all()  # half a step (+ bf16 scale)
+
+
+@pytest.mark.parametrize("rows", [1, 5, qz.DEQUANT_MIN_ROWS - 1, qz.DEQUANT_MIN_ROWS, 130])
+@pytest.mark.parametrize("gemm_dtype", [torch.bfloat16, torch.float32])
+def test_int8_linear_equals_a_float_matmul_of_the_dequantized_weight(rows, gemm_dtype):
+    torch.manual_seed(0)
+    layer = Linear(96, 2 * qz.CHUNK_ROWS + 40, bias=True)  # several dequantized chunks, a partial one
+    x = torch.randn(rows, 96)
+    ref_w = copy.deepcopy(layer)
+    assert qz.quantize_model_(layer, "int8") == 1 and layer.weight is None
+    layer.gemm_dtype = gemm_dtype
+    ref = F.linear(x, layer.qweight.float() * layer.scales.float()[:, None], ref_w.bias)
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert (out - ref).abs().max() <= 0.02 * ref.abs().max()  # bfloat16 activations
+    assert torch.equal(layer(x[None])[0], out)  # [batch, rows, in] as well
+
+
+def test_a_layer_the_kernel_cannot_take_stays_float():
+    layer = Linear(24, 8, bias=False)  # the kernel needs input features in multiples of 16
+    assert qz.quantize_model_(layer, "int8") == 0
+    assert layer.qweight is None and layer.weight is not None
+    x = torch.randn(3, 24)
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+def dequantized_reference(path: str):
+    """transformers' model of the checkpoint with every linear weight pagoda quantizes replaced by
+    its dequantized int8 (embeddings untied and kept in float32, as pagoda keeps them)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())  # untie
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.in_features % 16 == 0:
+                q, s = qz.quantize_int8(m.weight)
+                m.weight.copy_(q.float() * s.float()[:, None])
+            elif isinstance(m, Conv1D):  # GPT-2: weight [in, out]
+                q, s = qz.quantize_int8(m.weight.t())
+                m.weight.copy_((q.float() * s.float()[:, None]).t())
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_engine_logprobs_match_transformers_on_the_dequantized_weights(arch):
+    path = tiny_checkpoint(arch)
+    llm = LLM(**vars(engine_config(path, quantization="int8", block_size=4, max_num_batched_tokens=16)))
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.qweight is not None and m.weight is None for m in linears)
+    assert llm.engine.model_info().quantization == "int8"
+
+    prompt = list(range(7, 47))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                prompt_logprobs=0))[0]
+    ids = prompt + list(out.outputs[0].token_ids)
+    # teacher-forced over prompt and completion alike: the completion's tokens as scored by the engine
+    scored = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs[1:]
+    with torch.no_grad():
+        ref = dequantized_reference(path)(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    got = torch.tensor([lp.logprob for lp in scored])
+    want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    diff = (got - want).abs()  # bfloat16 activations: ~0.4% of each layer's output
+    assert diff.mean() < 0.05 and diff.max() < 0.3, diff
+    # greedy picks: the reference's own argmax after each prompt + completion prefix
+    assert ref[len(prompt) - 1:].argmax(-1).tolist() == list(out.outputs[0].token_ids)
+    s = llm.engine.block_manager.stats()
+    assert s.num_free_blocks == s.num_total_blocks
+
+
+def test_refusals_name_the_option():
+    with pytest.raises(ValueError, match="quantization must be one of int8; got 'int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization 'int8' .* runs on CPU only; on cuda use dtype"):
+        qz.check("int8", torch.device("cuda"))
+
+
+def test_served_model_reports_its_quantization():
+    srv = InProcessServer.for_config(engine_config(tiny_checkpoint(), quantization="int8")).wait_ready()
+    try:
+        with Client(srv.target, timeout=60) as c:
+            assert c.model_info().quantization == "int8"
+            assert c.generate("héllo", max_tokens=8, ignore_eos=True).usage.completion_tokens == 8
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("command", ["serve", "offline"])
+def test_cli_flag_names_its_choices(capsys, command):
+    from pagoda.client.cli import main
+    with pytest.raises(SystemExit) as e:
+        main([command, "--quantization", "int4"] + (["hi"] if command == "offline" else []))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --quantization: invalid choice: 'int4' (choose from" in err and "int8" in err
