@@ -99,3 +99,16 @@ def test_tensor_parallel_benchmark(checkpoint, tmp_path):
     d = result["detail"]
     assert d["all_reduces"] == 2 * 2 + 1  # two per layer (attention, MLP) of the 2-layer model, and the embedding
     assert d["step_record_bytes"] > 0 and result["record"]["socket_round_trip_us"] > 0
+
+
+def test_quantization_accuracy_benchmark(checkpoint, tmp_path):
+    out = tmp_path / "q.json"
+    args = [a for a in WORKLOAD if a not in ("--no-progress", "--dtype", "float32")]
+    r = _run("quantization.py", "--model", checkpoint("llama"), *args, "--variants", "int8", "bfloat16",
+             "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 6 and set(result["variants"]) == {"int8", "bfloat16"}
+    for v in result["variants"].values():
+        assert 0.5 <= v["teacher_forced_top1"] <= 1 and 0 <= v["mean_abs_logprob_diff"] <= v["max_abs_logprob_diff"]
+    assert "| int8 |" in r.stdout
