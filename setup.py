@@ -31,7 +31,8 @@ def cpu_ops():
     tag = f"{torch.__version__}-{sources_digest()[:16]}".replace(".", "_").replace("+", "_").replace("-", "_")
     sources = [os.path.join(CSRC, "paged_attention_cpu.cpp"), os.path.join(CSRC, "layers_cpu.cpp")]
     extensions = [CppExtension(f"pagoda.engine.layers._cpu_ops_{arch}_{tag}", sources,
-                               extra_compile_args=["-O3", "-fopenmp", *flags], extra_link_args=["-fopenmp"],
+                               extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math", *flags],
+                               extra_link_args=["-fopenmp"],
                                optional=True)
                   for arch, flags in ARCH_FLAGS.items()]
     return extensions, {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}

@@ -8,7 +8,9 @@
 namespace pagoda {
 
 // exp(x) in plain arithmetic, so that loops calling it vectorize (std::exp does not without
-// -ffast-math): Cephes' range reduction and polynomial, about 1 ulp; x is clamped to [-87, 88].
+// -ffast-math): Cephes' range reduction and polynomial, about 1 ulp; x is clamped to [-87, 88]. The
+// clamp becomes vector min/max on AVX2 only with -fno-trapping-math (setup.py and cpu_ops.py pass it):
+// without it GCC 12 leaves every loop calling this scalar there (AVX-512's masks do not need it).
 inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
