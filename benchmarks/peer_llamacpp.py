@@ -291,7 +291,8 @@ class Pagoda:
     def __init__(self, path, args):
         from pagoda.engine import LLM
         # no prefix caching: llama-server runs with cache_prompt false, so both compute every prompt
-        self.llm = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device, enable_prefix_caching=False)
+        self.llm = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device,
+                       enable_prefix_caching=False)
 
     def run(self, workload) -> tuple[float, list[list[int]]]:
         from pagoda.engine import SamplingParams
@@ -474,8 +475,8 @@ def report(args, path, gguf, runs, result) -> str:
     model = args.model or f"{args.model_config} (random weights, {path})"
     workload = runs[0]
     built = build_seconds(args.llamacpp_version)
-    parts = [f"Model {model}; pagoda {args.device} {args.dtype}"
-             f"{'' if args.quantization == 'none' else ' + ' + args.quantization + ' weight-only'}, prefix caching off; llama.cpp "
+    quantized = "" if args.quantization == "none" else f" + {args.quantization} weight-only"
+    parts = [f"Model {model}; pagoda {args.device} {args.dtype}{quantized}, prefix caching off; llama.cpp "
              f"{args.llamacpp_version} (llama-cpp-python sdist, built with GGML_NATIVE, {built} s build) "
              f"llama-server -np {args.parallel} -cb, {args.llamacpp_weights} weights ({os.path.basename(gguf)}), "
              f"KV {'f32' if args.llamacpp_kv == 'f32' else 'default (f16)'}, cache_prompt false. "

@@ -40,7 +40,8 @@ def main(argv=None) -> int:
     from pagoda.engine import LLM
     from pagoda.engine.layers import cpu_ops
 
-    llm = LLM(common.model_path(args), dtype=args.dtype, quantization=common.quantization(args), device=args.device, enable_prefix_caching=False)
+    llm = LLM(common.model_path(args), dtype=args.dtype, quantization=common.quantization(args),
+              device=args.device, enable_prefix_caching=False)
     pool = common.token_pool(common.load_tokenizer(common.model_path(args)))
     prompts = [[int(pool[(i * 7919 + j * 31) % len(pool)]) for j in range(args.prompt_len)]
                for i in range(2 * args.repeats + 1)]

@@ -130,7 +130,8 @@ def main(argv=None) -> int:
     path = common.model_path(args)
     runs, warmup = common.workloads(args, path, repeats=args.repeats)
     # both kinds run the same prompts: no prefix cache, or the second would skip its prefill
-    llm = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device, enable_prefix_caching=False)
+    llm = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device,
+              enable_prefix_caching=False)
     run(llm, warmup, constrained=False)
     run(llm, warmup, constrained=True)
     free, bound = [], []

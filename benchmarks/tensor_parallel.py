@@ -150,9 +150,11 @@ def main(argv=None) -> int:
     runs, warmup = common.workloads(args, path, repeats=args.repeats)
     cores = os.cpu_count() or 1
     tp = args.tensor_parallel_size
-    one = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device, enable_prefix_caching=False,
+    one = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device,
+              enable_prefix_caching=False,
               cpu_threads=args.threads or cores)
-    split = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device, enable_prefix_caching=False,
+    split = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device,
+                enable_prefix_caching=False,
                 tensor_parallel_size=tp, cpu_threads=max(1, (args.threads or cores) // tp))
     try:
         for llm in (one, split):

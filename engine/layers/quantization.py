@@ -1,9 +1,12 @@
 """Weight-only int8 quantization for CPU (`quantization="int8"`): each linear layer's weight is kept
 as int8 with one scale per output feature (symmetric, round to nearest), and its matmul is torch's
-own int8 weight-only kernel (`torch._weight_int8pack_mm`), which reads a quarter of float32's bytes.
-Activations go through it in bfloat16 (its float32 path is ~10x slower); the layer's output comes
-back in the model's dtype. Embeddings, norms and the KV cache stay in the model's dtype; a tied LM
-head gets its own int8 copy (the embedding keeps its rows for the lookups)."""
+own int8 weight-only kernel (`torch._weight_int8pack_mm`), which reads a quarter of float32's bytes,
+for up to DEQUANT_MIN_ROWS - 1 rows (decode steps); more rows (prefill chunks) multiply dequantized
+chunks of the weight instead. Activations go through the kernel in bfloat16 (its float32 path is
+~10x slower); the layer's output comes back in the model's dtype. Embeddings, norms and the KV
+cache stay in the model's dtype; a tied LM head gets its own int8 copy (the embedding keeps its rows
+for the lookups). Float32 stays the default: it is the path tested token for token against
+transformers; benchmarks/quantization.py measures what int8 costs in accuracy."""
 import torch
 import torch.nn.functional as F
 
@@ -37,16 +40,17 @@ def can_quantize(layer: torch.nn.Linear) -> bool:
 
 def int8_linear(x: torch.Tensor, layer) -> torch.Tensor:
     # x: [num_tokens, in] -> [num_tokens, out], in x's dtype
-    x2 = x.reshape(-1, x.shape[-1])
     q, scales = layer.qweight, layer.scales
-    if x2.shape[0] < DEQUANT_MIN_ROWS:
-        y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), q, scales)
+    if x.dim() != 2:
+        return int8_linear(x.reshape(-1, x.shape[-1]), layer).view(*x.shape[:-1], q.shape[0])
+    if x.shape[0] < DEQUANT_MIN_ROWS:
+        y = torch._weight_int8pack_mm(x.to(torch.bfloat16, memory_format=torch.contiguous_format), q, scales)
     else:  # dequantized a few thousand rows at a time (they stay in cache), then a plain GEMM
         dt = layer.gemm_dtype
-        x2 = x2.to(dt)
-        y = torch.cat([F.linear(x2, q[a:a + CHUNK_ROWS].to(dt).mul_(scales[a:a + CHUNK_ROWS, None]))
+        xd = x.to(dt)
+        y = torch.cat([F.linear(xd, q[a:a + CHUNK_ROWS].to(dt).mul_(scales[a:a + CHUNK_ROWS, None]))
                        for a in range(0, q.shape[0], CHUNK_ROWS)], dim=1)
-    y = y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
+    y = y.to(x.dtype)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
