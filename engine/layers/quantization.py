@@ -7,8 +7,12 @@ chunks of the weight instead. Activations go through the kernel in bfloat16 (its
 cache stay in the model's dtype; a tied LM head gets its own int8 copy (the embedding keeps its rows
 for the lookups). Float32 stays the default: it is the path tested token for token against
 transformers; benchmarks/quantization.py measures what int8 costs in accuracy."""
+import logging
+
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("pagoda.engine")
 
 # torch's kernel reads the input features 16 at a time and does not check it (it crashes otherwise)
 _K_MULTIPLE = 16
@@ -62,13 +66,17 @@ def quantize_model_(model: torch.nn.Module, quantization: str | None) -> int:
     # many rows: dequantize to bfloat16 where the CPU computes in it natively (AVX512-BF16, AMX), else
     # to float32 (bf16 GEMMs are emulated there, 2x slower than float32)
     gemm_dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-    count = 0
+    count = skipped = 0
     for m in model.modules():
         if isinstance(m, Linear) and can_quantize(m):
             m.qweight, m.scales = quantize_int8(m.weight)
             m.gemm_dtype = gemm_dtype
             m.weight = None  # a tied head's rows stay with the embedding
             count += 1
+        elif isinstance(m, Linear):
+            skipped += 1
+    log.info("int8 weight-only: %d linear layers quantized%s", count,
+             f", {skipped} kept in float (input size not a multiple of {_K_MULTIPLE})" if skipped else "")
     return count
 
 
