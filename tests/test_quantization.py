@@ -122,3 +122,20 @@ def test_cli_flag_names_its_choices(capsys, command):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "argument --quantization: invalid choice: 'int4' (choose from" in err and "int8" in err
+
+
+def test_tensor_parallel_ranks_quantize_their_own_shards():
+    """Each rank quantizes what it holds (row-parallel layers: scales over its half of the inputs), so
+    two ranks agree with one to within int8's rounding, not bit for bit."""
+    path, prompt = tiny_checkpoint("qwen2"), list(range(5, 45))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(**vars(engine_config(path, quantization="int8", tensor_parallel_size=tp)))
+        try:
+            runs.append(llm.generate([prompt], params)[0])
+        finally:
+            llm.engine.close()
+    one, two = ([lp.logprob for lp in r.prompt_logprobs[1:]] for r in runs)
+    assert len(one) == len(prompt) - 1 and max(abs(a - b) for a, b in zip(one, two)) < 0.3
+    assert all(len(r.outputs[0].token_ids) == 16 for r in runs)  # (greedy picks may flip at near-ties)
