@@ -1,6 +1,6 @@
 """The offline API, in the habit of vLLM users: LLM(model).generate(prompts, params)."""
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.errors import EngineError
+from pagoda.engine.errors import EngineError, InvalidRequestError
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.output_processor import full_output
 from pagoda.engine.outputs import RequestOutput
@@ -21,11 +21,12 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """Completions of each prompt (text or token ids), in order; a bad prompt or option raises
-        InvalidRequestError (a ValueError) naming it before anything runs."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Completions of each prompt (text, token ids, or vLLM's {"prompt": text} /
+        {"prompt_token_ids": ids}), in order; a bad prompt or option raises InvalidRequestError (a
+        ValueError) naming it before anything runs."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        prompts = [_unwrap(p) for p in prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
@@ -42,3 +43,13 @@ class LLM:
         if failed:
             raise EngineError(f"{len(failed)} request(s) failed: {failed[0].error}")
         return [full_output(req.prompt_token_ids, finished[req.request_id]) for req in requests]
+
+
+def _unwrap(prompt):
+    """vLLM's prompt dicts (TextPrompt / TokensPrompt) as the text or ids they hold."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) in ({"prompt"}, {"prompt_token_ids"}):
+        return next(iter(prompt.values()))
+    raise InvalidRequestError("prompt", "as a dict must hold exactly one key, 'prompt' (text) or "
+                                        f"'prompt_token_ids' (ids); got {sorted(map(str, prompt))}")

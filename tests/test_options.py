@@ -125,3 +125,16 @@ def test_default_max_tokens_fills_context_and_stop_strings(llm):
     if stop and "\ufffd" not in stop:
         cut = llm.generate(["ab"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
         assert cut.stop_reason == "stop_string" and cut.text == text[:text.index(stop)]
+
+
+def test_vllm_prompt_dicts(checkpoint):
+    llm = LLM(checkpoint("llama"), num_kv_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    text, ids = "héllo wörld", [5, 9, 200, 14]
+    plain = llm.generate([text, ids], params)
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], params)
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert llm.generate({"prompt_token_ids": ids}, params)[0].token_ids == plain[1].token_ids  # one dict
+    with pytest.raises(ValueError, match="prompt as a dict must hold exactly one key.*got \\['multi_modal_data', "
+                                         "'prompt'\\]"):
+        llm.generate([{"prompt": text, "multi_modal_data": {}}], params)
