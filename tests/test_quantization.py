@@ -19,9 +19,10 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_quantize_int8_rounds_each_row_to_its_own_scale():
-    w = torch.randn(40, 64) * torch.logspace(-3, 1, 40)[:, None]  # rows of very different magnitude
+    rows = 2 * qz.CHUNK_ROWS + 40  # quantized a chunk of rows at a time
+    w = torch.randn(rows, 64) * torch.logspace(-3, 1, rows)[:, None]  # rows of very different magnitude
     q, scales = qz.quantize_int8(w)
-    assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == (40,)
+    assert q.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == (rows,)
     assert q.abs().amax(dim=1).ge(126).all()  # every row uses its range
     err = (q.float() * scales.float()[:, None] - w).abs()
     assert (err <= scales.float()[:, None] * 0.51 + w.abs() * 2 ** -8).all()  # half a step (+ bf16 scale)

@@ -31,11 +31,16 @@ def check(quantization: str | None, device: torch.device) -> None:
 
 @torch.no_grad()
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight: [out, in] float -> (int8 [out, in], bfloat16 scales [out]); weight ~ q * scale."""
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).bfloat16()
-    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scales
+    """weight: [out, in] float -> (int8 [out, in], bfloat16 scales [out]); weight ~ q * scale. Done
+    CHUNK_ROWS rows at a time, so that a large LM head needs no float32 copies of itself."""
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.bfloat16, device=weight.device)
+    for a in range(0, weight.shape[0], CHUNK_ROWS):
+        w = weight[a:a + CHUNK_ROWS].float()
+        s = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).bfloat16()
+        q[a:a + CHUNK_ROWS] = torch.round(w / s.float()[:, None]).clamp_(-127, 127)
+        scales[a:a + CHUNK_ROWS] = s
+    return q, scales
 
 
 def can_quantize(layer: torch.nn.Linear) -> bool:
