@@ -165,13 +165,18 @@ def load_tokenizer(path: str):
 def machine() -> str:
     import torch
     import transformers
-    cpu = platform.processor() or "unknown CPU"
+    cpu, flags = platform.processor() or "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            lines = f.read().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = set(next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags")))
     except (OSError, StopIteration):
         pass
-    parts = [f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"]
+    isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags)
+    # the vector code torch (and pagoda's ops) run: ATEN_CPU_CAPABILITY=avx2 forces AVX2 on AVX-512
+    parts = [f"{cpu} ({isa or 'no AVX2'}; running the {torch.backends.cpu.get_cpu_capability()} path), "
+             f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}"]
     if torch.cuda.is_available():
         parts.append(f"GPU {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}")
     parts.append(f"torch {torch.__version__}, transformers {transformers.__version__}, "
