@@ -40,7 +40,8 @@ def add_model_args(p) -> None:
     m.add_argument("--model", help="an existing HF checkpoint directory instead")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on CUDA")
-    g.add_argument("--quantization", default="none", choices=["none", "int8"],
+    from pagoda.engine.config import QUANTIZATIONS  # torch-free
+    g.add_argument("--quantization", default="none", choices=["none", *QUANTIZATIONS],
                    help="pagoda's weight quantization: int8 weight-only linear layers (CPU; default none)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--force", action="store_true", help="build/run a GPU-sized config on CPU anyway")

@@ -532,7 +532,7 @@ def _health(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    from pagoda.engine.config import DTYPES  # torch-free
+    from pagoda.engine.config import DTYPES, QUANTIZATIONS  # torch-free
 
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM text generation over gRPC")
     parser.add_argument("--version", action="version", version=f"pagoda {version('pagoda')}")
@@ -591,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prompt(p)
     p.add_argument("--model", default=None, help="HF directory or hub id (default: built-in demo model)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+    p.add_argument("--quantization", default="none", choices=["none", *QUANTIZATIONS],
                    help="int8: weight-only int8 linear layers (CPU); default none")
     p.add_argument("--max-tokens", type=_MAX_TOKENS, default=32)
     p.add_argument("--temperature", type=_TEMPERATURE, default=0.0)

@@ -42,6 +42,8 @@ def _http_port(text: str) -> int | None:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The serve flags; each defaults to its PAGODA_* environment variable (read now, not at import)."""
+    from pagoda.engine.config import QUANTIZATIONS  # torch-free
+
     def opt(flag, env, help, **kw):
         default = _env(env, kw.pop("default", None))
         p.add_argument(flag, default=default, help=f"{help} [env PAGODA_{env}]", **kw)
@@ -56,7 +58,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16", "float16"])
     opt("--quantization", "QUANTIZATION", "int8: linear weights in int8 (weight-only, per-output-channel "
         "scales; CPU only: a quarter of float32's bytes to read each step); none: weights in --dtype "
-        "(default: none)", default="none", choices=["none", "int8"])
+        "(default: none)", default="none", choices=["none", *QUANTIZATIONS])
     opt("--device", "DEVICE", "cpu, cuda or auto (default: auto)", default="auto", choices=["auto", "cpu", "cuda"])
     opt("--block-size", "BLOCK_SIZE", "tokens per KV cache block (default: 16)", type=int, default=16)
     opt("--num-kv-blocks", "NUM_KV_BLOCKS", "KV cache blocks (default: from the memory budget)", type=int)
