@@ -109,6 +109,77 @@ def test_prefill_attention_over_a_cached_context_matches_torch(dtype, head_dim, 
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+AMX = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+
+
+@pytest.mark.parametrize("capability,flags,dtype,fails", [
+    ("AVX2", AMX, torch.bfloat16, True),  # ATEN_CPU_CAPABILITY=avx2 on a Xeon with AMX
+    ("DEFAULT", AMX, torch.bfloat16, True),
+    ("AVX512", AMX, torch.bfloat16, False),  # torch's own choice there: its AVX-512 build packs
+    ("AVX2", AMX, torch.float16, False),  # float16 packs only with AMX-FP16
+    ("AVX2", AMX | {"amx_fp16"}, torch.float16, True),
+    ("AVX2", AMX, torch.float32, False),  # float32 never packs
+    ("AVX2", {"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, False),  # AVX-512 without AMX
+    ("AVX2", {"avx2"}, torch.bfloat16, False),
+])
+def test_torch_flash_attention_fails_only_where_avx2_is_forced_on_amx(capability, flags, dtype, fails):
+    assert ref.flash_packs_without_avx512(capability, frozenset(flags), dtype) is fails
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_in_half_precision_matches_float32(dtype):
+    """Shapes torch's flash attention packs for AMX (64 tokens or more, whatever the thread count): with
+    ATEN_CPU_CAPABILITY=avx2 on an AMX machine (test_the_avx2_path_on_an_avx512_machine) torch itself
+    fails on them, pagoda's sdpa does not."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=g) for _ in range(3))
+    mask = torch.rand(1, 1, 128, 128, generator=g) < 0.9
+    mask[..., 0] = True
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
+        got = ref.sdpa(q, k, v, **kwargs)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_half_precision_attention_runs_in_float32_where_torch_flash_would_fail(monkeypatch):
+    """Where torch's flash attention fails in bf16 (simulated: only an AMX machine with AVX2 forced shows
+    the real error), both backends' SDPA calls, prefill and decode, take float32 instead."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+
+    def torch_on_amx_with_avx2_forced(q, *args, **kwargs):
+        if q.dtype == torch.bfloat16:
+            raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", torch_on_amx_with_avx2_forced)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(ref, "_cpu_flags", lambda: frozenset(AMX))
+    ref._cpu_sdpa_dtype.cache_clear()
+    try:
+        dtype, head_dim, num_heads, num_kv_heads, block_size = torch.bfloat16, 128, 8, 2, 16
+        shapes = [(80, 80), (5, 37), (65, 65), (1, 9)]  # 65 and 80 tokens: whole prompts through torch's flash
+        (k, v), (k_ops, v_ops) = _cache(64, block_size, num_kv_heads, head_dim, dtype, seed=2)
+        tables = _tables([c for _, c in shapes], block_size, 64, seed=2)
+        lens = torch.tensor([c for _, c in shapes], dtype=torch.int32)
+        query_lens = torch.tensor([n for n, _ in shapes])
+        start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), query_lens.cumsum(0)]).to(torch.int32)
+        q = torch.randn(int(query_lens.sum()), num_heads, head_dim).to(dtype)
+        got = cpu_attention.prefill_attention(q, k_ops, v_ops, tables, start_loc, lens, 0.1, 80)
+        want = ref.prefill_attention(q, k, v, tables, start_loc, lens, 0.1, 80)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+        q = q[:len(shapes)]
+        want = ref.decode_attention(q, k, v, tables, lens, 0.1)
+        got = cpu_attention.decode_attention(q, k_ops, v_ops, tables, lens, 0.1)
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    finally:
+        ref._cpu_sdpa_dtype.cache_clear()
+
+
 def test_decode_padding_rows_give_zeros():
     (_, _), (k_ops, v_ops) = _cache(8, 16, 2, 32, torch.float32)
     q = torch.randn(3, 4, 32)
@@ -287,7 +358,9 @@ def test_the_install_built_both_libraries_and_each_runs_here():
 def test_the_avx2_path_on_an_avx512_machine():
     """ATEN_CPU_CAPABILITY=avx2 (torch's own switch) makes an AVX-512 machine run torch's and pagoda's
     AVX2 code: this file's kernel tests, the greedy check against transformers and the int8
-    weight-only checks (torch's int8 kernel has its own AVX2 code) pass there too."""
+    weight-only checks (torch's int8 kernel has its own AVX2 code) pass there too. On a machine with
+    AMX, torch's own flash attention fails there in bf16 (test_sdpa_in_half_precision_matches_float32
+    runs the shapes it fails on, the bf16 engine test a user's): pagoda's attention must not."""
     import os
     import subprocess
     import sys
@@ -296,8 +369,8 @@ def test_the_avx2_path_on_an_avx512_machine():
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                           os.path.join(here, "test_cpu_ops.py"), os.path.join(here, "test_correctness.py"),
                           os.path.join(here, "test_quantization.py"),
-                          "-k", "(matches or argmax or fused or padding or skips or int8 or dequantized) and not triton "
-                                "and not avx2_path"],
+                          "-k", "(matches or argmax or fused or padding or skips or int8 or dequantized "
+                                "or bfloat16_engine) and not triton and not avx2_path"],
                          capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here),
                          env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

@@ -4,11 +4,15 @@ The flat batch holds single-token queries first (decode), then multi-token ones 
 chunks). Each sequence's new tokens are the last ones of its context, and their K/V are
 written into the cache before attention reads it back.
 """
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,6 +29,43 @@ class AttentionMetadata:
     # (start, end, num_blocks): runs of decode sequences of similar length (sorted longest first),
     # so the torch path pads each run to its own longest context rather than the batch's
     decode_groups: tuple[tuple[int, int, int], ...] = ()
+
+
+def flash_packs_without_avx512(capability: str, cpu_flags, dtype: torch.dtype) -> bool:
+    """Whether torch's flash attention for CPU fails on inputs of this dtype: on a CPU with AMX for it,
+    torch packs the K and V of long enough prompts for AMX with at::vec::pack_vnni2, which only its
+    AVX-512 build of the kernel implements; its AVX2 and default builds (which ATEN_CPU_CAPABILITY=avx2
+    or =default selects) raise "pack_vnni2 is only supported when avx512 is supported" instead.
+    capability: torch.backends.cpu.get_cpu_capability(); cpu_flags: the CPU's, as Linux names them."""
+    amx = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}.get(dtype)
+    return amx is not None and amx in cpu_flags and capability != "AVX512"
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them; none elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), ()))
+    except OSError:
+        return frozenset()
+
+
+@functools.cache
+def _cpu_sdpa_dtype(dtype: torch.dtype) -> torch.dtype:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not flash_packs_without_avx512(capability, _cpu_flags(), dtype):
+        return dtype
+    log.info("torch runs its %s code on a CPU with AMX, where its %s attention fails: computing it in float32",
+             capability, dtype)
+    return torch.float32
+
+
+def sdpa(q, k, v, **kwargs):
+    """F.scaled_dot_product_attention; in float32 on a CPU where torch's kernel fails in q's dtype (float32
+    never takes the AMX packing, and keeps flash attention's memory use, unlike the math backend)."""
+    if q.device.type == "cpu" and _cpu_sdpa_dtype(q.dtype) != q.dtype:
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -53,7 +94,7 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]  # [S, L]
     # A GQA group's query heads become that KV head's query rows: no K/V repeat needed.
     q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    out = sdpa(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -71,8 +112,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, contex
     q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_query_len, device=q.device)  # [S, Q]
     k_pos = torch.arange(k.shape[2], device=q.device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]; padded query rows see >= 1 key
-    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None],
-                                         scale=scale, enable_gqa=num_heads != k.shape[1])
+    out = sdpa(q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+               enable_gqa=num_heads != k.shape[1])
     return out.transpose(1, 2)[seq_idx, local_idx]
 
 

@@ -3,9 +3,9 @@ blocks in place, for decode tokens and prefill chunks alike. The torch backend i
 every sequence's blocks into a padded copy for SDPA, which on CPU costs more than the attention.
 """
 import torch
-import torch.nn.functional as F
 
 from pagoda.engine.layers import cpu_ops as fused_ops  # norms, activation and rotary, for the model runner
+from pagoda.engine.layers.attention import sdpa
 from pagoda.engine.layers.cpu_ops import is_available, ops
 
 
@@ -61,8 +61,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, contex
     for i in fresh:
         a, b = starts[i], starts[i + 1]
         k, v = _sequence_kv(k_cache, v_cache, block_tables[i], b - a)
-        o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[None], v[None], is_causal=True,
-                                           scale=scale, enable_gqa=True)
+        o = sdpa(q[a:b].transpose(0, 1)[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True)
         out[a:b] = o[0].transpose(0, 1)
     return out
 
