@@ -52,11 +52,11 @@ def _ranged(kind, lo, hi=None, *, lo_open: bool = False, most: int | None = None
     return parse
 
 
-def _field(name: str, kind, most: int | None = None):
+def _field(name: str, kind, most: int | None = None, least: int | None = None):
     """An argparse type= function for a sampling flag: a finite `kind`, checked by the engine's own
     rule for that field (pagoda.engine.validation, torch-free), so the CLI and the server agree; what
     depends on the model (max-tokens against the context, ...) stays the server's to judge. `most`:
-    the largest value the flag's protobuf field holds."""
+    the largest value the flag's protobuf field holds (`least`: its smallest)."""
     from pagoda.engine.errors import InvalidRequestError
     from pagoda.engine.validation import FIELD_RULES
 
@@ -74,13 +74,15 @@ def _field(name: str, kind, most: int | None = None):
             raise argparse.ArgumentTypeError(e.message) from None
         if most is not None and value > most:
             raise argparse.ArgumentTypeError(f"must be at most {most}, got {text}")
+        if least is not None and value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
         return value
     return parse
 
 
 _MAX_TOKENS = _field("max_tokens", int, most=UINT32)
 _TEMPERATURE = _field("temperature", float)
-_SEED = _field("seed", int, most=UINT64)
+_SEED = _field("seed", int, most=UINT64, least=0)
 
 
 def _clip(text: str, limit: int = 40) -> str:
@@ -88,14 +90,55 @@ def _clip(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[:limit - 3] + "...")
 
 
-def _read_file(flag: str, path: str) -> str:
+def _not_utf8(data: bytes | str) -> str | None:
+    """Why bytes, or a string from the command line or stdin, are not UTF-8 text (None when they
+    are). Python hands each byte of an argument that is not UTF-8 over as a lone surrogate
+    (surrogateescape), which the engine's rule for a request's text refuses."""
+    from pagoda.engine.errors import InvalidRequestError
+    from pagoda.engine.validation import check_text
+
+    if isinstance(data, str):
+        try:
+            check_text("", data)
+            return None
+        except InvalidRequestError as e:
+            try:
+                data = data.encode("utf-8", "surrogateescape")  # the bytes as they were given
+            except UnicodeEncodeError:
+                return f"must be UTF-8 text: it {e.message}"
     try:
-        with open(path, encoding="utf-8") as f:
+        data.decode("utf-8")
+        return None
+    except UnicodeDecodeError as e:
+        return (f"must be UTF-8 text, got byte 0x{data[e.start]:02x} at offset {e.start} "
+                f"(convert it with iconv -t UTF-8)")
+
+
+def _text_arg(text: str) -> str:
+    """An argparse type= function for a text flag (--stop, --regex, ...): UTF-8 only."""
+    why = _not_utf8(text)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return text
+
+
+def _read_bytes(flag: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
             return f.read()
     except OSError as e:
         raise CliError(f"{flag}: cannot read {path!r}: {e.strerror or e}", usage=True) from None
-    except UnicodeDecodeError as e:
-        raise CliError(f"{flag}: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})", usage=True) from None
+
+
+def _decode(what: str, data: bytes) -> str:
+    why = _not_utf8(data)
+    if why:
+        raise CliError(f"{what} {why}", usage=True)
+    return data.decode("utf-8")
+
+
+def _read_file(flag: str, path: str) -> str:
+    return _decode(f"{flag}: {path!r}", _read_bytes(flag, path))
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -105,14 +148,17 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise CliError("give the prompt as an argument, `-` to read stdin, or --file PATH (exactly one)",
                        usage=True)
     if args.prompt == "-" or args.file == "-":
-        text, source = sys.stdin.read(), "stdin"
+        text, source = sys.stdin.buffer.read(), "stdin"
     elif args.file is not None:
-        text, source = _read_file("--file", args.file), f"--file {args.file!r}"
+        text, source = _read_bytes("--file", args.file), f"--file {args.file!r}"
     else:
         text, source = args.prompt, "the argument"
     if not text:
         raise CliError(f"the prompt is empty (from {source})", usage=True)
-    return text
+    why = _not_utf8(text)
+    if why:
+        raise CliError(f"the prompt (from {source}) {why}", usage=True)
+    return text.decode("utf-8") if isinstance(text, bytes) else text
 
 
 def _token_ids(text: str) -> list[int]:
@@ -301,7 +347,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frequency-penalty", type=_field("frequency_penalty", float))
     g.add_argument("--max-tokens", type=_MAX_TOKENS, help="server default: 256, capped by the context")
     g.add_argument("--min-tokens", type=_field("min_tokens", int, most=UINT32))
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", type=_text_arg, default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-id", action="append", type=_ranged(int, 0, most=UINT32), default=[],
                    dest="stop_token_ids", help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -317,10 +363,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     s.add_argument("--json-schema", metavar="FILE", help="the completion is JSON valid against this JSON Schema file "
                                                          "(- reads it from stdin)")
     s.add_argument("--json-object", action="store_true", help="the completion is a JSON object")
-    s.add_argument("--regex", help="the completion matches this regular expression, whole")
-    s.add_argument("--choice", action="append", metavar="TEXT", help="the completion is one of these (repeatable)")
+    s.add_argument("--regex", type=_text_arg, help="the completion matches this regular expression, whole")
+    s.add_argument("--choice", action="append", type=_text_arg, metavar="TEXT",
+                   help="the completion is one of these (repeatable)")
     s.add_argument("--grammar", metavar="FILE", help="the completion follows this Lark grammar file")
-    g.add_argument("--bad-word", action="append", dest="bad_words", default=[], metavar="WORD",
+    g.add_argument("--bad-word", action="append", type=_text_arg, dest="bad_words", default=[], metavar="WORD",
                    help="a word the completion must not contain (repeatable)")
     g.add_argument("--priority", type=_ranged(int, -INT32 - 1, INT32), default=0,
                    help="lower is scheduled first (default 0)")
@@ -342,7 +389,8 @@ def _structured(args: argparse.Namespace) -> dict:
                      usage=True)
     kw = {}
     if args.json_schema:
-        text = sys.stdin.read() if args.json_schema == "-" else _read_file("--json-schema", args.json_schema)
+        text = _decode("--json-schema: stdin", sys.stdin.buffer.read()) if args.json_schema == "-" else \
+            _read_file("--json-schema", args.json_schema)
         try:
             json.loads(text)
         except ValueError as e:
@@ -396,15 +444,45 @@ def _as_dict(msg) -> dict:
 
 
 def _print_json(msg, lines: bool = False) -> None:
-    """Pretty JSON, or one line per message (lines=True, for streams)."""
+    """Pretty JSON of a message (or a dict), or one line per message (lines=True, for streams)."""
     import json
 
-    print(json.dumps(_as_dict(msg), indent=None if lines else 2, ensure_ascii=False), flush=True)
+    value = msg if isinstance(msg, dict) else _as_dict(msg)
+    print(json.dumps(value, indent=None if lines else 2, ensure_ascii=False), flush=True)
+
+
+_ONLY_WHEN_SET = ("logprobs", "prompt_logprobs", "prompt_token_ids", "prompt_text", "results")
+
+
+def _generation_json(msg) -> dict:
+    """What `generate --json` prints of a GenerateResponse or a GenerateStreamResponse: the fields that
+    carry something (logprobs and the prompt's fields only when asked for). A whole response gives each
+    completion once, in `choices`: its top-level text, token_ids, finish_reason and logprobs, which
+    repeat choice 0's, are left out."""
+    d = _as_dict(msg)
+    if "choices" in d:
+        for name in ("text", "token_ids", "finish_reason", "logprobs"):
+            d.pop(name, None)
+        d["choices"] = [_set_fields(c) for c in d["choices"]]
+    else:
+        d.pop("prompt_index", None)  # the CLI sends one prompt
+        if d.get("finish_reason") == "FINISH_REASON_UNSPECIFIED":  # not a completion's last message
+            del d["finish_reason"]
+    return _set_fields(d)
+
+
+def _set_fields(d: dict) -> dict:
+    """d without the empty fields of _ONLY_WHEN_SET, and its logprobs without empty top_logprobs."""
+    d = {k: v for k, v in d.items() if k not in _ONLY_WHEN_SET or v}
+    for name in ("logprobs", "prompt_logprobs"):
+        if name in d:
+            d[name] = [{k: v for k, v in lp.items() if k != "top_logprobs" or v} for lp in d[name]]
+    return d
 
 
 def _print_response(r, as_json: bool) -> None:
     if as_json:
-        _print_json(r)
+        _print_json(_generation_json(r))
     elif len(r.choices) > 1:  # several completions: each printed whole, in order
         for choice in r.choices:
             print(f"--- completion {choice.index} ---\n{r.prompt_text}{choice.text}")
@@ -420,7 +498,7 @@ def _print_stream(stream, as_json: bool):
     ends, usages = [], {}
     for msg in stream:
         if as_json:
-            _print_json(msg, lines=True)
+            _print_json(_generation_json(msg), lines=True)
         else:
             sys.stdout.write(msg.prompt_text + msg.text)
             sys.stdout.flush()
@@ -480,10 +558,14 @@ def _chat(args: argparse.Namespace) -> int:
             if interactive:
                 sys.stderr.write("> ")
                 sys.stderr.flush()
-            line = sys.stdin.readline()
+            line = sys.stdin.buffer.readline().decode("utf-8", "surrogateescape")  # not UTF-8: refused below
             if not line or not line.strip():
                 return 0
             line = line.rstrip("\n")
+            why = _not_utf8(line)
+            if why:
+                _say(args, f"the message {why}; not sent")
+                continue
             if line.strip() == "/reset":
                 messages = messages[:1] if args.system else []
                 continue
@@ -509,7 +591,9 @@ def _tokenize(args: argparse.Namespace) -> int:
 @_one_line_errors
 def _info(args: argparse.Namespace) -> int:
     with _connect(args) as c:
-        _print_json(c.model_info())
+        info = _as_dict(c.model_info())
+        info["quantization"] = info.get("quantization") or "none"  # the server's empty string
+        _print_json(info)
     return 0
 
 
@@ -562,14 +646,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ask for each prompt token's logprob with K alternatives (shown with --json)")
     p.add_argument("--echo", action="store_true", help="print the prompt (as the model saw it) before the completion")
     p.add_argument("--json", action="store_true",
-                   help="print the response as JSON (with --stream: one JSON line per message)")
+                   help="print the response as JSON: {request_id, usage, choices: [{index, text, token_ids, "
+                        "finish_reason, logprobs}], prompt_logprobs, prompt_token_ids, prompt_text}; with --stream "
+                        "one JSON object per line and message: {request_id, text, token_ids, finish_reason, usage, "
+                        "logprobs, index, prompt_logprobs, prompt_token_ids, prompt_text}. logprobs and the prompt's "
+                        "fields only when asked for (--logprobs, --prompt-logprobs, --echo); a stream message's "
+                        "finish_reason and usage on each completion's last")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print each completion's finish reason and the token usage to stderr")
     _add_sampling(p)
     _add_target(p)
 
     p = command("chat", _chat, help="chat interactively (streamed, keeps the conversation)")
-    p.add_argument("--system", default=None, help="system message opening the conversation")
+    p.add_argument("--system", type=_text_arg, default=None, help="system message opening the conversation")
     _add_sampling(p)
     _add_target(p)
 

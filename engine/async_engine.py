@@ -18,7 +18,7 @@ from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.protocol import Abort, CoreFailed, EngineRequest, Queued, StepReport
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import GrammarCompiler
-from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits, make_request
+from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits, check_messages, make_request
 
 
 class AsyncEngine:
@@ -96,6 +96,7 @@ class AsyncEngine:
         return self.tokenizer.encode(text)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        check_messages(messages)  # the tokenizer's TypeError on a lone surrogate names nothing
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -113,10 +114,14 @@ class AsyncEngine:
         as ids, rendered from messages or truncated), through the one detokenizer."""
         if req.prompt_text is not None:
             return req.prompt_text
+        return self.decode(req.prompt_token_ids, req.params.skip_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """What token ids spell, through the one detokenizer (ids must be in the vocabulary)."""
         from pagoda.engine.detokenizer import IncrementalDetokenizer
 
-        d = IncrementalDetokenizer(self.vocab, [], req.params.skip_special_tokens)
-        for t in req.prompt_token_ids:
+        d = IncrementalDetokenizer(self.vocab, [], skip_special_tokens)
+        for t in token_ids:
             d.append(t)
         return d.flush()
 

@@ -3,8 +3,12 @@
 Weights are random: the demo shows the machinery, not a language model. Point `model` at a
 real checkpoint (a directory or a hub id) for real text.
 """
+import contextlib
+import logging
 import os
 import tempfile
+
+log = logging.getLogger("pagoda.engine")
 
 _SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = (
@@ -13,6 +17,7 @@ CHAT_TEMPLATE = (
 DEMO_CONFIG = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4, max_position_embeddings=2048)
 _DEMO_VERSION = "3"
+DEMO_MODEL_NAME = "pagoda-demo"  # what the server calls the demo model (its files live in a cache path)
 
 
 def build_byte_tokenizer(vocab_size: int | None = None, unk_token: str | None = None):
@@ -73,9 +78,24 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printab
             head = model.get_output_embeddings().weight
             head[~keep] = 0
             head[keep] *= 6
-    model.save_pretrained(path, safe_serialization=True)
+    with _no_progress_bars():  # a bar for one small shard says nothing
+        model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """transformers' progress bars off for a while (its switch is process-wide), then as they were."""
+    from transformers.utils import logging as tf_logging
+
+    was_on = tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            tf_logging.enable_progress_bar()
 
 
 def demo_model_path() -> str:
@@ -85,6 +105,7 @@ def demo_model_path() -> str:
     path = os.path.join(root, f"demo-llama-v{_DEMO_VERSION}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    log.info("building the demo model (random weights) in %s: on first start only, a few seconds", path)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=".demo-")
     build_tiny_checkpoint(tmp, "llama", seed=0, initializer_range=0.05, printable_output=True,

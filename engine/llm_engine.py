@@ -1,6 +1,7 @@
 """The engine: load a checkpoint, then step: schedule -> run -> postprocess."""
 import concurrent.futures
 import dataclasses
+import importlib.util
 import logging
 import time
 
@@ -30,9 +31,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from pagoda.engine.demo import demo_model_path
+        from pagoda.engine.demo import DEMO_MODEL_NAME, demo_model_path
         t0 = time.monotonic()
         path = resolve_model_path(config.model) if config.model else demo_model_path()
+        self.model_name = config.model or DEMO_MODEL_NAME  # as the user named it
         self.hf_config = load_hf_config(path)
         self.architecture = architecture_of(self.hf_config)
         self.tokenizer = load_tokenizer(path)
@@ -240,8 +242,9 @@ class LLMEngine:
             for seq, lp in zip(updated, result.logprobs):
                 if lp is not None:
                     seq.logprobs.append(TokenLogprob(seq.token_ids[-1], lp[0], lp[1]))
-        self._forget([s for s in updated if s.is_finished] + failed)
-        return step_outputs(updated + failed)
+        scored = [s for s, samples in zip(sched.seqs, sched.sampling) if not samples and s.is_finished]
+        self._forget([s for s in updated if s.is_finished] + scored + failed)
+        return step_outputs(updated + scored + failed)
 
     # ---- liveness ----
 
@@ -292,7 +295,7 @@ class LLMEngine:
 
     def model_info(self) -> ModelInfo:
         c = self.config
-        return ModelInfo(c.model, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
+        return ModelInfo(self.model_name, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
                          c.max_num_batched_tokens, c.max_queue_len, c.quantization or "")
 
@@ -353,6 +356,8 @@ def _attention_backend(name: str, device: torch.device, head_dim: int):
         name = "triton" if device.type == "cuda" else "cpu"
     try:
         if name == "triton":
+            if importlib.util.find_spec("triton") is None:  # PyPI's CUDA torch brings it; a CPU install has none
+                raise ImportError("triton is not installed (pip install triton)")
             from pagoda.engine.layers import triton_attention as backend
         else:
             from pagoda.engine.layers import cpu_attention as backend

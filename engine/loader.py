@@ -8,29 +8,89 @@ import torch
 from safetensors import safe_open
 
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")  # one is enough
+CHECKPOINT_FILES = ("a checkpoint directory holds config.json, the tokenizer files and *.safetensors weights "
+                    "(e.g. `hf download Qwen/Qwen3-0.6B --local-dir DIR`)")
 
 
 def resolve_model_path(model: str) -> str:
-    """A local directory as is; anything else is a hub id, downloaded (safetensors only) once."""
-    if os.path.isdir(model):
-        return model
-    if os.path.exists(model):
-        raise ValueError(f"model must be a checkpoint directory or a hub id, got the file {model!r}")
+    """A local checkpoint directory, or a hub id downloaded (safetensors only) once; ValueError
+    naming `model` and what is missing."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return check_checkpoint(model, path)
+    if os.path.exists(path):
+        raise ValueError(f"model must be a checkpoint directory or a hub id, got the file {model!r}: "
+                         f"{CHECKPOINT_FILES}")
+    if not _is_hub_id(model):
+        raise ValueError(f"model {model!r}: no such directory (a local checkpoint directory, or a Hugging Face "
+                         f"hub id such as Qwen/Qwen3-0.6B)")
+    return check_checkpoint(model, _download(model))
+
+
+def _is_hub_id(model: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _download(model: str) -> str:
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
     try:
         return snapshot_download(model, allow_patterns=_HUB_FILES)
-    except Exception as e:
-        raise ValueError(f"model {model!r} is neither a local directory nor a reachable hub id: {e}") from e
+    except GatedRepoError:
+        why = "is gated: accept its terms on huggingface.co, then log in (`hf auth login`)"
+    except RepositoryNotFoundError:
+        why = "has no such repository (or it is private: log in with `hf auth login`)"
+    except LocalEntryNotFoundError:  # offline (HF_HUB_OFFLINE=1), or the hub unreachable, and not in the cache
+        why = (f"cannot be reached and the model is not in the local cache: download it where there is network "
+               f"(`hf download {model}`, into the same HF_HOME) or pass a local checkpoint directory")
+    except Exception as e:  # noqa: BLE001 - the hub's own words, on one line
+        why = f"failed: {_one_line(e)}"
+    raise ValueError(f"model {model!r} is not a local directory, and the Hugging Face hub {why}")
+
+
+def check_checkpoint(model: str, path: str) -> str:
+    """The directory, if it holds what loading needs (before anything is loaded from it)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model {model!r} has no config.json: {CHECKPOINT_FILES}")
+    if not any(glob.glob(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        raise ValueError(f"model {model!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): "
+                         f"{CHECKPOINT_FILES}")
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        pickles = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
+        hint = " (only pickle files found: convert them to safetensors)" if pickles else ""
+        raise ValueError(f"model {model!r} has no *.safetensors weights{hint}: {CHECKPOINT_FILES}")
+    return path
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception's message on one line (transformers' and the hub's span several)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def load_hf_config(path: str):
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:  # config.json that is not JSON, or has no model_type
+        raise ValueError(f"cannot load {os.path.join(path, 'config.json')}: {_one_line(e)}") from e
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - no tokenizer files, a library it needs missing, ...
+        raise ValueError(f"cannot load the tokenizer in {path} ({_one_line(e)}): {CHECKPOINT_FILES}") from e
 
 
 def load_weights(model: torch.nn.Module, path: str) -> None:

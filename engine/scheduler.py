@@ -26,8 +26,10 @@ class SchedulerOutput:
     @functools.cached_property
     def sampling(self) -> list[bool]:
         """Per seq: whether it reaches its last token this step, and so samples the next one
-        (worked out once, on first use, before postprocess advances the counts)."""
-        return [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
+        (worked out once, on first use, before postprocess advances the counts). A prompt scored
+        with max_tokens 0 samples nothing."""
+        return [s.num_computed_tokens + n == len(s.token_ids) and s.max_tokens > 0
+                for s, n in zip(self.seqs, self.num_new_tokens)]
 
     def samples(self, i: int) -> bool:
         return self.sampling[i]
@@ -126,6 +128,8 @@ class Scheduler:
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
             if not samples:
+                if seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:  # a prompt scored
+                    self.finish(seq, FinishReason.LENGTH)
                 continue
             seq.token_ids.append(sampled[j])
             j += 1

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.validation import check_text
 
 FIELD = "structured_outputs"
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -49,10 +50,13 @@ class StructuredOutputs:
             elif not isinstance(value, str) or not value.strip():
                 raise InvalidRequestError(self.field, f"must be a JSON Schema (an object or its JSON text), got "
                                                       f"{type(value).__name__}")
+            check_text(self.field, self.json)  # every string of the schema, its keys included
         elif kind == "json_object" and value is not True:
             raise InvalidRequestError(self.field, f"must be true, got {value!r}")
-        elif kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
-            raise InvalidRequestError(self.field, "must be a non-empty string")
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise InvalidRequestError(self.field, "must be a non-empty string")
+            check_text(self.field, value)
         elif kind == "choice":
             if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
                 raise InvalidRequestError(self.field, "must be a non-empty list of strings")
@@ -61,6 +65,7 @@ class StructuredOutputs:
             for i, c in enumerate(value):
                 if not isinstance(c, str) or not c:
                     raise InvalidRequestError(f"{self.field}[{i}]", f"must be a non-empty string, got {c!r}")
+                check_text(f"{self.field}[{i}]", c)
             object.__setattr__(self, "choice", tuple(value))
 
     @property
@@ -93,6 +98,7 @@ def _grammar_of(so: StructuredOutputs) -> str:
             raise InvalidRequestError(so.field, f"is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError(so.field, "must be a JSON Schema: an object")
+        check_text(so.field, json.dumps(schema, ensure_ascii=False))  # JSON's own "\\ud800" escapes, decoded
         return m.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     if kind == "json_object":
         return m.grammar_from_json_schema({"type": "object"}, defaults={"whitespace_flexible": False})

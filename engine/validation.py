@@ -12,7 +12,7 @@ from pagoda.engine.protocol import EngineRequest
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -2**63, 2**63 - 1  # int64, as OpenAI takes it (gRPC: uint64 up to MAX_SEED)
 MAX_REQUEST_ID_LEN = 256
 MAX_LOGIT_BIAS = 1024  # entries; each is applied at every step
 MAX_BAD_WORDS = 256  # each is checked against the sequence's tail at every step
@@ -77,16 +77,10 @@ def check_request_id(request_id) -> str:
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters, "
                                                 f"got {len(request_id)}")
-    return request_id
+    return check_text("request_id", request_id)
 
 
 # ---- sampling ----
-
-def _top_p(value) -> None:
-    check_number("top_p", value)
-    if not 0.0 < value <= 1.0:
-        raise InvalidRequestError("top_p", f"must be in (0, 1], got {value!r}")
-
 
 def _repetition_penalty(value) -> None:
     check_number("repetition_penalty", value)
@@ -99,14 +93,14 @@ def _repetition_penalty(value) -> None:
 FIELD_RULES = {
     "n": lambda v: check_int("n", v, lo=1, hi=MAX_N),
     "temperature": lambda v: check_number("temperature", v, lo=0.0),
-    "top_p": _top_p,
+    "top_p": lambda v: check_number("top_p", v, lo=0.0, hi=1.0),  # 0: only the most likely token
     "min_p": lambda v: check_number("min_p", v, lo=0.0, hi=1.0),
     "top_k": lambda v: check_int("top_k", v, lo=-1, hint=" (0 or -1: off)"),
     "repetition_penalty": _repetition_penalty,
     "presence_penalty": lambda v: check_number("presence_penalty", v, lo=-2.0, hi=2.0),
     "frequency_penalty": lambda v: check_number("frequency_penalty", v, lo=-2.0, hi=2.0),
-    "seed": lambda v: v is None or check_int("seed", v, lo=0, hi=MAX_SEED),
-    "max_tokens": lambda v: v is None or check_int("max_tokens", v, lo=1),
+    "seed": lambda v: v is None or check_int("seed", v, lo=MIN_SEED, hi=MAX_SEED),
+    "max_tokens": lambda v: v is None or check_int("max_tokens", v, lo=0),  # 0: score the prompt only
     "min_tokens": lambda v: check_int("min_tokens", v, lo=0),
     "top_logprobs": lambda v: check_int("top_logprobs", v, lo=0, hi=MAX_TOP_LOGPROBS),
     "truncate_prompt_tokens": lambda v: v is None or check_int("truncate_prompt_tokens", v, lo=1),
@@ -123,6 +117,7 @@ def check_sampling(p) -> None:
     for i, s in enumerate(p.stop):
         if not isinstance(s, str) or not s:
             raise InvalidRequestError(f"stop[{i}]", f"must be a non-empty string, got {s!r}")
+        check_text(f"stop[{i}]", s)
     for i, t in enumerate(p.stop_token_ids):
         check_int(f"stop_token_ids[{i}]", t, lo=0)
     if len(p.logit_bias) > MAX_LOGIT_BIAS:
@@ -135,6 +130,7 @@ def check_sampling(p) -> None:
     for i, w in enumerate(p.bad_words):
         if not isinstance(w, str) or not w.strip():
             raise InvalidRequestError(f"bad_words[{i}]", f"must be a string with a non-space character, got {w!r}")
+        check_text(f"bad_words[{i}]", w)
     for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(getattr(p, name), bool):
             raise InvalidRequestError(name, f"must be a bool, got {getattr(p, name)!r}")
@@ -154,6 +150,25 @@ def check_int(field: str, value, lo=None, hi=None, hint: str = "") -> None:
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise InvalidRequestError(field, f"must be {rule}{hint}, got {value!r}")
+
+
+def check_text(field: str, value: str) -> str:
+    """A string that UTF-8 can carry (no lone UTF-16 surrogate, as a JSON "\\ud800" or undecodable
+    bytes on a command line give)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(field, f"is not valid Unicode text: a lone surrogate {value[e.start]!r} at "
+                                         f"character {e.start}") from None
+    return value
+
+
+def check_messages(messages: list[dict]) -> None:
+    """A conversation's strings (role, content, ...), before a chat template renders them."""
+    for i, m in enumerate(messages):
+        for key, value in m.items():
+            if isinstance(value, str):
+                check_text(f"messages[{i}].{key}", value)
 
 
 def _is_int(x) -> bool:
@@ -236,7 +251,7 @@ def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits, ke
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(check_text("prompt", prompt))
         ids = ids[-keep_last:] if keep_last else ids
         if len(ids) > most:
             raise InvalidRequestError("prompt", f"is {len(ids)} tokens, {too_long}")

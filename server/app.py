@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagoda.server.options import ServerOptions
+from pagoda.server.ports import check_free
 from pagoda.server.servicer import SERVICE_NAME, GenerationServicer, add_servicer_to_server
 from pagoda.server.state import DRAINING, SERVING, ServerState
 
@@ -105,7 +106,7 @@ class PagodaServer:
         from pagoda.server.metrics import Metrics
 
         self.engine_factory = engine_factory
-        self.host = host
+        self.host, self._port = host, port
         self.address = f"{host}:{port}"
         self.http_port: int | None = None
         self._http = None
@@ -133,11 +134,14 @@ class PagodaServer:
         add_servicer_to_server(GenerationServicer(self.state), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         _enable_reflection(self.server, [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
-        # add_*_port raise RuntimeError if they cannot bind
-        if credentials is None:
-            self.port = self.server.add_insecure_port(self.address)
-        else:
-            self.port = self.server.add_secure_port(self.address, credentials)
+        check_free(self.host, self._port, "--port")
+        try:
+            if credentials is None:
+                self.port = self.server.add_insecure_port(self.address)
+            else:
+                self.port = self.server.add_secure_port(self.address, credentials)
+        except RuntimeError as e:  # taken since check_free, or a bind gRPC refuses for its own reasons
+            raise OSError(f"cannot listen on {self.address} (--port): {e}") from None
         if self.options.metrics_port:
             self.metrics_port = self.metrics.start_http(self.options.metrics_port, self.options.metrics_host)
             log.info("metrics on http://%s:%d/metrics", self.options.metrics_host, self.metrics_port)

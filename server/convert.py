@@ -143,6 +143,8 @@ def _prompt(req, which: str | None, engine) -> str | list[int]:
             raise InvalidRequestError(f"messages.messages[{i}].role", "must not be empty")
     try:
         ids = list(engine.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs]))
+    except InvalidRequestError as e:
+        raise e.renamed(f"messages.{e.field}") from None
     except Exception as e:  # no template, a role the template rejects, ...: the request's fault
         raise InvalidRequestError("messages", f"cannot be rendered with the model's chat template: {e}") from e
     if not ids:

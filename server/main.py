@@ -54,6 +54,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_PORT)
     opt("--http-port", "HTTP_PORT", f"port of the OpenAI-compatible HTTP API on the same host, 0 = any free "
         f"one, off = none (default: {DEFAULT_HTTP_PORT})", type=_http_port, default=str(DEFAULT_HTTP_PORT))
+    opt("--served-model-name", "SERVED_MODEL_NAME", "the name(s) clients call the model by: HTTP's \"model\" "
+        "(any of them; responses and GET /v1/models give the first) and GetModelInfo.model_id (default: --model "
+        "as given; the demo model: pagoda-demo; env: names separated by spaces)", nargs="+", metavar="NAME")
     opt("--dtype", "DTYPE", "weights/compute dtype (default: auto)", default="auto",
         choices=["auto", "float32", "bfloat16", "float16"])
     opt("--quantization", "QUANTIZATION", "int8: linear weights in int8 (weight-only, per-output-channel "
@@ -153,6 +156,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="address of the metrics endpoint (default: 0.0.0.0) [env PAGODA_METRICS_HOST]")
 
 
+def _names(value) -> tuple[str, ...]:
+    """--served-model-name's names (from PAGODA_SERVED_MODEL_NAME: one string, split at spaces)."""
+    if isinstance(value, str):
+        value = value.split()
+    return tuple(value or ())
+
+
 def server_options(args: argparse.Namespace):
     """The ServerOptions of the parsed flags (0 for the two context-bound limits means the context)."""
     from pagoda.server.options import ServerOptions
@@ -177,6 +187,7 @@ def server_options(args: argparse.Namespace):
         tls_client_ca=args.tls_client_ca or None,
         api_key=args.api_key or None,
         http_port=getattr(args, "http_port", None),
+        served_model_names=_names(args.served_model_name),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
     )

@@ -79,7 +79,12 @@ class Metrics:
         """Serves /metrics; port -1: any free port. Returns the bound port."""
         from prometheus_client import start_http_server
 
-        self.http_server, _ = start_http_server(max(port, 0), addr=host, registry=self.registry)
+        from pagoda.server.ports import cannot_listen
+
+        try:
+            self.http_server, _ = start_http_server(max(port, 0), addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(cannot_listen("--metrics-port", host, port, e)) from e
         return self.http_server.server_port
 
     def stop_http(self) -> None:

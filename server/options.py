@@ -50,6 +50,9 @@ class ServerOptions:
     api_key: str | None = field(default=None, repr=False)
     # the OpenAI-compatible HTTP API (server/http.py), on --host: None off, 0 any free port
     http_port: int | None = None
+    # the names clients may call the model by (HTTP "model", GetModelInfo.model_id: the first);
+    # empty: the --model argument as given (the demo model: "pagoda-demo")
+    served_model_names: tuple[str, ...] = ()
     # observability
     metrics_port: int = 0  # 0: no metrics endpoint; -1: any free port (PagodaServer.metrics_port)
     metrics_host: str = "0.0.0.0"
@@ -79,6 +82,10 @@ class ServerOptions:
         positive("max_connection_age", integer=False, zero=True)
         if self.http_port is not None and (not isinstance(self.http_port, int) or not 0 <= self.http_port <= 65535):
             raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port!r}")
+        self.served_model_names = tuple(self.served_model_names or ())
+        for name in self.served_model_names:
+            if not isinstance(name, str) or not name.strip() or not name.isprintable():
+                raise ValueError(f"served_model_names must be printable, non-empty names, got {name!r}")
         if self.metrics_port is None:
             self.metrics_port = 0
         # -1 (not a flag value: for tests and embedding) binds any free port

@@ -15,6 +15,7 @@ UNAVAILABLE (loading, draining, engine shut down); DEADLINE_EXCEEDED (the client
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import logging
 import time
@@ -165,6 +166,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if timeout > 0 else None
         streams, merged = [], None
         try:
+            self.state.check_call_size(len(reqs), "prompts")
             for r in reqs:  # refusals (queue full, ...) raise here; the streams opened so far close below
                 streams.append(engine.open(r))
             record.submitted()
@@ -251,7 +253,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def GetModelInfo(self, request, context):
         async with self._call(context, "GetModelInfo", request) as engine:
             o = self.state.options
-            return convert.model_info(engine.model_info, limits=self.state.limits,
+            info = dataclasses.replace(engine.model_info, model_id=self.state.served_model_names()[0])
+            return convert.model_info(info, limits=self.state.limits,
                                       max_message_bytes=o.max_message_bytes,
                                       max_concurrent_streams=o.max_concurrent_streams,
                                       request_timeout=o.request_timeout)

@@ -26,12 +26,14 @@ HTTP_STATUS = {
 
 
 class ServerError(Exception):
-    """A status the server decided on (code, message)."""
+    """A status the server decided on (code, message); `reason`: a machine-readable word for it, where
+    a protocol has one (OpenAI's error code, e.g. "model_not_found")."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
 
 
 def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
@@ -68,6 +70,21 @@ class ServerState:
         self.options = options or ServerOptions()
         self.limits = self.options.request_limits()
         self.metrics = metrics  # server.metrics.Metrics, or None
+
+    def served_model_names(self) -> list[str]:
+        """The names requests may give the model (--served-model-name), the first one reported;
+        by default the model as it was named at start (the demo: DEMO_MODEL_NAME)."""
+        if self.options.served_model_names:
+            return list(self.options.served_model_names)
+        return [self.engine.model_info.model_id] if self.engine is not None else []
+
+    def check_call_size(self, num_requests: int, field: str) -> None:
+        """A call of more requests than the waiting queue can ever hold is refused outright (a 429
+        would tell the client to retry what can never succeed)."""
+        most = self.engine.model_info.max_queue_len
+        if num_requests > most:
+            raise InvalidRequestError(field, f"holds {num_requests} prompts; this server queues at most {most} "
+                                             f"requests (--max-queue-len): send them in several calls")
 
     @contextlib.contextmanager
     def admit(self, generation: bool):

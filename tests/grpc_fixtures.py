@@ -79,6 +79,7 @@ class InProcessServer:
             return PagodaServer(engine_factory, host="127.0.0.1", port=0, options=options)
 
         self.server = self.call(make())
+        self.spec_checks = []  # openai_client's checkers of this server's HTTP answers (openai_spec.py)
         self.port = self.call(self.server.start())
         self.target = f"127.0.0.1:{self.port}"
 
@@ -110,11 +111,15 @@ class InProcessServer:
         return self.server.state.engine
 
     def stop(self, grace: float = 5.0) -> None:
+        """Drains and stops the server; then every answer an openai_client got from it must have
+        followed OpenAI's specification."""
         try:
             self.call(self.server.drain(grace), grace + 30)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(10)
+        for check in self.spec_checks:
+            check.assert_clean()
 
 
 @contextlib.contextmanager
@@ -259,7 +264,14 @@ def assert_all_gone(pids, timeout: float = 10) -> None:
 
 
 def openai_client(srv):
-    """The official `openai` client against an InProcessServer's HTTP API (no retries: errors show as they are)."""
+    """The official `openai` client against an InProcessServer's HTTP API (no retries: errors show as
+    they are); every answer it gets is checked against OpenAI's specification (when srv stops)."""
+    import httpx
     import openai
 
-    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    from openai_spec import CheckingTransport
+
+    transport = CheckingTransport()
+    srv.spec_checks.append(transport)
+    return openai.OpenAI(base_url=srv.http_url + "/v1", api_key="none", max_retries=0, timeout=60,
+                         http_client=httpx.Client(transport=transport, timeout=60))

@@ -279,5 +279,7 @@ def test_a_dead_engine_process_fails_its_requests(checkpoint):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_model_that_cannot_load_raises_its_own_error(tmp_path, transport):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "tokenizer.json").write_text("{}")  # the files a checkpoint directory must hold, unread
+    (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="architecture 'llama' is not supported"):
         AsyncEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=8, engine_process=transport == "process"))

@@ -69,13 +69,13 @@ def test_token_ids_must_be_integers(capsys):
 
 
 @pytest.mark.parametrize("flag,value,rule", [
-    ("--max-tokens", "-5", ">= 1, got -5"), ("--max-tokens", str(2**32), "at most 4294967295"),
+    ("--max-tokens", "-5", ">= 0, got -5"), ("--max-tokens", str(2**32), "at most 4294967295"),
     ("--min-tokens", "-1", ">= 0, got -1"), ("-n", "0", "in [1, 64], got 0"), ("-n", "65", "in [1, 64], got 65"),
     ("--top-logprobs", "-1", "in [0, 20], got -1"), ("--top-logprobs", "21", "in [0, 20], got 21"),
     ("--temperature", "-1", ">= 0, got -1.0"), ("--temperature", "nan", "a finite number, got nan"),
-    ("--top-p", "0", "in (0, 1], got 0.0"), ("--top-p", "1.5", "in (0, 1], got 1.5"),
+    ("--top-p", "-0.1", "in [0, 1], got -0.1"), ("--top-p", "1.5", "in [0, 1], got 1.5"),
     ("--min-p", "2", "in [0, 1], got 2.0"), ("--top-k", "-2", ">= -1 (0 or -1: off), got -2"),
-    ("--seed", "-1", "in [0, 9223372036854775807], got -1"), ("--repetition-penalty", "0", "> 0, got 0.0"),
+    ("--seed", "-1", "at least 0, got -1"), ("--repetition-penalty", "0", "> 0, got 0.0"),
     ("--presence-penalty", "3", "in [-2, 2], got 3.0"), ("--frequency-penalty", "x", "a number, got 'x'"),
     ("--stop-token-id", "-1", "an integer >= 0"), ("--priority", "1.5", "an integer in [-2147483648, 2147483647]"),
     ("--timeout", "0", "a number > 0"), ("--wait", "-1", "a number >= 0"),
@@ -163,6 +163,38 @@ def test_bad_prompt_or_file_names_the_flag(capsys, argv, line):
     assert usage_error(capsys, *argv, "--target", "127.0.0.1:1") == f"pagoda {argv[0]}: error: {line}"
 
 
+UTF8_FIX = "(convert it with iconv -t UTF-8)"
+
+
+@pytest.mark.parametrize("argv,line", [
+    # Python hands an argument's bytes that are not UTF-8 over as lone surrogates: b"caf\xe9" is "caf\udce9"
+    (["generate", "caf\udce9"], "the prompt (from the argument) must be UTF-8 text, got byte 0xe9 at offset 3"),
+    (["tokenize", "\udcff"], "the prompt (from the argument) must be UTF-8 text, got byte 0xff at offset 0"),
+    (["generate", "hi", "--stop", "\udcff"], "argument --stop: must be UTF-8 text, got byte 0xff at offset 0"),
+    (["generate", "hi", "--bad-word", "x\udcff"], "argument --bad-word: must be UTF-8 text, got byte 0xff at offset 1"),
+    (["generate", "hi", "--regex", "\udcff"], "argument --regex: must be UTF-8 text, got byte 0xff at offset 0"),
+    (["generate", "--file", "{latin1}"], "the prompt (from --file '{latin1}') must be UTF-8 text, got byte 0xe9 at "
+                                         "offset 3"),
+])
+def test_text_that_is_not_utf8_names_the_argument(capsys, tmp_path, argv, line):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café".encode("latin-1"))
+    argv = [a.replace("{latin1}", str(latin1)) for a in argv]
+    got = usage_error(capsys, *argv, "--target", "127.0.0.1:1")
+    assert got == f"pagoda {argv[0]}: error: {line.replace('{latin1}', str(latin1))} {UTF8_FIX}"
+
+
+def test_bytes_that_are_not_utf8_from_argv_and_stdin():
+    for argv, stdin in (([b"offline", b"\xff"], b""), ([b"generate", b"-", b"--target", b"127.0.0.1:1"], b"caf\xe9")):
+        out = subprocess.run([*map(str.encode, pagoda_command()), *argv], input=stdin, capture_output=True,
+                             timeout=60, cwd=REPO)
+        err = out.stderr.decode()
+        assert out.returncode == 2 and "Traceback" not in err and len(err.splitlines()) == 2, err
+        source, byte = ("the argument", "0xff at offset 0") if stdin == b"" else ("stdin", "0xe9 at offset 3")
+        assert err.splitlines()[1] == (f"pagoda {argv[0].decode()}: error: the prompt (from {source}) must be UTF-8 "
+                                       f"text, got byte {byte} {UTF8_FIX}")
+
+
 def verbose_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("[")]
 
@@ -189,18 +221,19 @@ def test_verbose_reports_every_choice_and_the_usage(capsys, srv, client):
     ([""], 2, "pagoda offline: error: the prompt is empty (from the argument)"),
     (["hi", "--max-tokens", "600"], 2, "pagoda offline: error: --max-tokens (600) plus the prompt"),
     (["hi", "--model", "{file}"], 1, "pagoda offline: model must be a checkpoint directory or a hub id, got the file"),
-    (["hi", "--model", "/nonexistent/model"], 1, "pagoda offline: model '/nonexistent/model' is neither a local "
-                                                 "directory nor a reachable hub id"),
+    (["hi", "--model", "/nonexistent/model"], 1, "pagoda offline: model '/nonexistent/model': no such directory"),
+    (["hi", "--model", "{dir}"], 1, "pagoda offline: model '{dir}' has no config.json: a checkpoint directory holds "
+                                    "config.json, the tokenizer files and *.safetensors weights"),
 ])
 def test_offline_bad_input_is_one_line(capsys, tmp_path, argv, status, line):
     file = tmp_path / "weights.bin"
     file.write_bytes(b"")
-    argv = [a.replace("{file}", str(file)) for a in argv]
+    argv = [a.replace("{file}", str(file)).replace("{dir}", str(tmp_path)) for a in argv]
     if "--model" not in argv:
         argv += ["--model", tiny_checkpoint(), "--dtype", "float32"]
     got, _, err = run(capsys, "offline", *argv)
     assert got == status, err
-    assert "Traceback" not in err and err.splitlines()[-1].startswith(line), err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(line.replace("{dir}", str(tmp_path))), err
 
 
 def test_wait_for_a_loading_server(capsys):
@@ -244,7 +277,7 @@ def test_wait_for_nothing_listening(capsys, closed_port):
 def test_the_shared_options_reach_the_server(capsys, srv):
     status, out, _ = run(capsys, "generate", "hi", "--logit-bias", "70=100", "--max-tokens", "4", "--temperature", "0",
                          "--ignore-eos", "--json", "--target", srv.target)
-    assert status == 0 and json.loads(out)["token_ids"] == [70] * 4
+    assert status == 0 and json.loads(out)["choices"][0]["token_ids"] == [70] * 4
     status, out, _ = run(capsys, "generate", "x" * 600, "--truncate-prompt-tokens", "50", "--max-tokens", "2", "--json",
                          "--target", srv.target)
     assert status == 0 and json.loads(out)["usage"]["prompt_tokens"] == 50
@@ -252,7 +285,7 @@ def test_the_shared_options_reach_the_server(capsys, srv):
     assert line.endswith("argument --logit-bias: must be in [-100, 100], got 500.0; got '70=500'")
     status, out, _ = run(capsys, "generate", "hi", "--bad-word", "F", "--logit-bias", "70=100", "--max-tokens", "3",
                          "--temperature", "0", "--ignore-eos", "--json", "--target", srv.target)
-    assert status == 0 and 70 not in json.loads(out)["token_ids"]  # "F" is token 70: banned despite the bias
+    assert status == 0 and 70 not in json.loads(out)["choices"][0]["token_ids"]  # "F" is 70: banned despite the bias
     status, out, _ = run(capsys, "generate", "Grüße", "--echo", "--prompt-logprobs", "1", "--max-tokens", "2", "--json",
                          "--target", srv.target)
     body = json.loads(out)
@@ -263,6 +296,22 @@ def test_the_shared_options_reach_the_server(capsys, srv):
     assert status == 0 and out.startswith("Grüße")
     line = usage_error(capsys, "generate", "hi", "--prompt-logprobs", "21", "--target", srv.target)
     assert line.endswith("argument --prompt-logprobs: must be in [0, 20], got 21")
+
+
+def test_json_gives_each_completion_once_and_only_what_was_asked_for(capsys, srv):
+    status, out, _ = run(capsys, "generate", "hi", "-n", "2", "--max-tokens", "2", "--json", "--target", srv.target)
+    body = json.loads(out)
+    assert status == 0 and list(body) == ["request_id", "usage", "choices"], body
+    assert [list(c) for c in body["choices"]] == [["index", "text", "token_ids", "finish_reason"]] * 2
+    status, out, _ = run(capsys, "generate", "hi", "--max-tokens", "3", "--ignore-eos", "--json", "--stream",
+                         "--logprobs", "--target", srv.target)
+    messages = [json.loads(line) for line in out.splitlines()]
+    assert status == 0 and list(messages[-1]) == ["request_id", "text", "token_ids", "finish_reason", "usage",
+                                                  "logprobs", "index"], messages
+    assert all(list(m) == ["request_id", "text", "token_ids", "logprobs", "index"] for m in messages[:-1]), messages
+    assert list(messages[-1]["logprobs"][0]) == ["token_id", "logprob"]  # no top_logprobs asked for
+    status, out, _ = run(capsys, "info", "--target", srv.target)
+    assert status == 0 and json.loads(out)["quantization"] == "none"
 
 
 def test_structured_output_flags(capsys, srv, tmp_path):

@@ -73,7 +73,7 @@ def test_messages_use_the_chat_template():
 
 
 def test_error_messages_name_field_and_value():
-    with pytest.raises(InvalidRequestError, match=r"^sampling\.top_p must be in \(0, 1\], got 1\.5$"):
+    with pytest.raises(InvalidRequestError, match=r"^sampling\.top_p must be in \[0, 1\], got 1\.5$"):
         convert_("Hello", top_p=1.5)
     with pytest.raises(InvalidRequestError, match=r"^stopping\.max_tokens \(600\) plus the prompt \(5 tokens\)"):
         convert_("Hello", max_tokens=600)

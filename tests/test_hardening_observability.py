@@ -121,7 +121,7 @@ def test_x_request_id_echoed_and_used(srv):
         assert resp.request_id and dict(call.initial_metadata())["x-request-id"] == resp.request_id
         # Echoed on failures too (in the initial metadata sent before the error).
         with pytest.raises(grpc.RpcError) as e:
-            c.stub.Generate(pb.GenerateRequest(text="Hello", stopping=pb.StoppingCriteria(max_tokens=0)),
+            c.stub.Generate(pb.GenerateRequest(text="Hello", stopping=pb.StoppingCriteria(max_tokens=10**9)),
                             metadata=(("x-request-id", "bad-one"),))
         assert e.value.code() == C.INVALID_ARGUMENT
         assert dict(e.value.initial_metadata())["x-request-id"] == "bad-one"
@@ -142,7 +142,7 @@ def test_one_structured_log_line_per_finished_request(srv, caplog):
         c.generate("Hello", max_tokens=4, ignore_eos=True, metadata=(("x-request-id", "log-ok"),))
         list(c.generate_stream("Hello", max_tokens=3, ignore_eos=True, request_id="log-stream"))
         with pytest.raises(grpc.RpcError):
-            c.generate("Hello", max_tokens=0, metadata=(("x-request-id", "log-bad"),))
+            c.generate("Hello", max_tokens=10**9, metadata=(("x-request-id", "log-bad"),))
         with slow_steps(srv.engine, 0.02):
             stream = c.generate_stream("Hello", max_tokens=100, ignore_eos=True, request_id="log-cancel")
             next(stream)

@@ -100,7 +100,7 @@ def test_n_choices_and_a_batch_of_prompts(oai, model):
 
 
 @pytest.mark.parametrize("kw,param", [
-    (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=65), "n"),
+    (dict(top_p=1.5), "top_p"), (dict(max_tokens=-1), "max_tokens"), (dict(n=65), "n"),
     (dict(extra_body={"bogus": 1}), "bogus"), (dict(max_tokens=100000), "max_tokens"),
     (dict(extra_body={"prompt_logprobs": 21}), "prompt_logprobs"), (dict(prompt=[]), "prompt"),
     (dict(extra_body={"bad_words": [" "]}), "bad_words[0]"),
@@ -116,9 +116,11 @@ def test_a_bad_field_is_a_400_naming_it(oai, model, kw, param):
 def test_unknown_model_and_route_are_404(srv, oai):
     with pytest.raises(openai.NotFoundError) as e:
         oai.completions.create(model="no-such-model", prompt="hi")
-    assert "does not exist" in e.value.body["message"]
+    assert "does not exist" in e.value.body["message"] and e.value.body["code"] == "model_not_found"
     r = httpx.post(srv.http_url + "/v1/embeddings", json={})
-    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(srv.http_url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_a_body_past_the_size_limit_is_413(srv, model):
@@ -214,8 +216,9 @@ def test_api_key_and_loading(tmp_path):
         gate.set()
         s.wait_ready()
         bad = openai.OpenAI(base_url=s.http_url + "/v1", api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError) as e:
             bad.models.list()
+        assert e.value.body["code"] == "invalid_api_key"
         good = openai.OpenAI(base_url=s.http_url + "/v1", api_key="sekret", max_retries=0)
         assert good.models.list().data
     finally:
@@ -247,14 +250,16 @@ def test_the_readme_curl_lines_against_pagoda_serve():
 
     from grpc_fixtures import ServeProcess
 
-    proc = ServeProcess("--model", tiny_checkpoint(), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64")
+    proc = ServeProcess("--model", tiny_checkpoint(), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+                        "--served-model-name", "pagoda-demo", "demo")
     try:
         proc.wait_ready()
         base = f"127.0.0.1:{proc.http_port}"
-        model = httpx.get(f"http://{base}/v1/models").json()["data"][0]["id"]
+        model = "pagoda-demo"  # the README's lines name the demo model; this server answers to that name too
+        assert [m["id"] for m in httpx.get(f"http://{base}/v1/models").json()["data"]] == [model, "demo"]
         outputs = []
         for line in readme_curl_lines():
-            cmd = line.replace("localhost:8000", base).replace("MODEL", model)
+            cmd = line.replace("localhost:8000", base)
             out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, (cmd, out.stderr)
             outputs.append(out.stdout)
@@ -382,7 +387,7 @@ def test_request_timeout_ends_http_calls_and_frees_blocks(srv, model, grpc_clien
                     lines = [line for line in r.iter_lines() if line]
                 assert lines[-1] == "data: [DONE]"
                 error = json.loads(lines[-2].removeprefix("data: "))["error"]
-                assert error["code"] == 504 and "--request-timeout" in error["message"]
+                assert error["type"] == "timeout" and "--request-timeout" in error["message"]
             else:
                 r = httpx.post(srv.http_url + "/v1/completions", json=body, timeout=60)
                 assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
@@ -419,3 +424,185 @@ def test_echo_puts_the_prompt_before_the_completion(oai, model):
     echoed = oai.completions.create(prompt="héllo", echo=True, **kw)
     chunks = list(oai.completions.create(prompt="héllo", echo=True, stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+# ---- what a first contact (a new user, OpenAI's own specification) found ----
+
+def _post(srv, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(srv.http_url + path, content=content, headers={"content-type": "application/json"},
+                      timeout=60, **kw)
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_error_codes_are_strings_or_null(srv, model):
+    r = _post(srv, "/v1/completions", {"model": model, "prompt": "hi", "top_p": 7})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value"
+    r = _post(srv, "/v1/completions", {"model": model, "prompt": "hi", "": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["message"] == "unknown field ''" and err["param"] == ""
+    assert err["code"] == "unknown_parameter"
+    r = _post(srv, "/v1/completions", {"model": "nope", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    for r in (httpx.get(srv.http_url + "/v1/completions"), httpx.post(srv.http_url + "/v1/nothing-here", json={})):
+        err = r.json()["error"]
+        assert r.status_code in (404, 405) and err["type"] != "server_error" and err["code"] is None
+
+
+def test_more_prompts_than_the_queue_can_hold_is_a_400(srv, model, grpc_client):
+    # the fixture's queue holds 4: 5 prompts in one call could never be admitted (no 429 to retry)
+    r = _post(srv, "/v1/completions", {"model": model, "prompt": ["a"] * 5, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt" and "--max-queue-len" in err["message"], err
+    import grpc as grpc_lib
+    with pytest.raises(grpc_lib.RpcError) as e:
+        grpc_client.generate(prompts=["a"] * 5, max_tokens=1)
+    assert e.value.code() == grpc_lib.StatusCode.INVALID_ARGUMENT and "--max-queue-len" in e.value.details()
+    wait_all_blocks_free(grpc_client)
+
+
+def test_chat_has_the_refusal_fields(srv, model):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
+    whole = _post(srv, "/v1/chat/completions", body).json()["choices"][0]
+    assert whole["message"]["refusal"] is None and whole["logprobs"]["refusal"] is None
+    chunks = _sse(_post(srv, "/v1/chat/completions", {**body, "stream": True}))
+    with_logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert with_logprobs and all(lp["refusal"] is None for lp in with_logprobs)
+
+
+def test_streamed_text_offsets_run_on_as_in_the_whole_response(srv, model):
+    body = {"model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "logprobs": 1, "echo": True,
+            "ignore_eos": True}
+    whole = _post(srv, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    chunks = _sse(_post(srv, "/v1/completions", {**body, "stream": True}))
+    streamed = [o for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == whole["text_offset"] and streamed == sorted(streamed) and streamed[-1] > 0
+
+
+def test_null_is_the_default(srv, model):
+    nulls = {"echo": None, "n": None, "stream": None, "logprobs": None, "max_tokens": None, "stop": None,
+             "temperature": None, "seed": None, "user": "u", "suffix": None, "best_of": None, "stream_options": None}
+    r = _post(srv, "/v1/completions", {"model": model, "prompt": "hi", **nulls})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 16, r.text
+    r = _post(srv, "/v1/completions", {"model": model, "prompt": None, "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1, r.text  # the start-of-text token
+    chat_nulls = {"stream": None, "logprobs": None, "n": None, "top_logprobs": None, "max_tokens": None,
+                  "max_completion_tokens": 3, "store": None, "metadata": None, "tools": None, "tool_choice": None,
+                  "parallel_tool_calls": None, "response_format": None}
+    r = _post(srv, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                            **chat_nulls})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "max_tokens", "16"), ("/v1/completions", "max_tokens", True),
+    ("/v1/completions", "stream", "yes"), ("/v1/completions", "n", 1.5), ("/v1/completions", "echo", 1),
+    ("/v1/completions", "temperature", "0"), ("/v1/chat/completions", "logprobs", "true"),
+    ("/v1/chat/completions", "store", True), ("/v1/completions", "best_of", 3),
+])
+def test_types_are_taken_exactly_as_openai_does(srv, model, path, field, value):
+    body = {"model": model, "max_tokens": 2, field: value}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    r = _post(srv, path, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_chat_roles_and_message_fields_are_checked(srv, model):
+    def chat(*messages):
+        return _post(srv, "/v1/chat/completions", {"model": model, "max_tokens": 2, "messages": list(messages)})
+    r = chat({"role": "bogus", "content": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role", r.text
+    r = chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]", r.text
+    r = chat({"role": "user", "content": None})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content", r.text
+    # developer is system to the template; an assistant message as the SDK returns it is taken back as is
+    sdk_message = {"role": "assistant", "content": "ok", "refusal": None, "annotations": [], "audio": None,
+                   "function_call": None, "tool_calls": None}
+    r = chat({"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}, sdk_message,
+             {"role": "user", "content": [{"type": "text", "text": "more"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_max_tokens_0_with_echo_and_logprobs_scores_the_prompt(srv, oai, model, grpc_client):
+    out = oai.completions.create(model=model, prompt="Hello world", max_tokens=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == "Hello world" and out.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    lps = choice.logprobs
+    assert lps.token_logprobs[0] is None and all(x <= 0 for x in lps.token_logprobs[1:])
+    assert len(lps.tokens) == out.usage.prompt_tokens and "".join(lps.tokens) == "Hello world"
+    chunks = list(oai.completions.create(model=model, prompt="Hello world", max_tokens=0, echo=True, logprobs=1,
+                                         stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == "Hello world"
+    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lps.token_logprobs
+    wait_all_blocks_free(grpc_client)
+
+
+def test_served_model_names_and_models_retrieve():
+    s = InProcessServer.for_config(engine_config(tiny_checkpoint()),
+                                   ServerOptions(http_port=0, served_model_names=("first", "second"))).wait_ready()
+    try:
+        oai = openai_client(s)
+        assert [m.id for m in oai.models.list().data] == ["first", "second"]
+        assert oai.models.retrieve("second").id == "second"
+        with pytest.raises(openai.NotFoundError):
+            oai.models.retrieve("third")
+        out = oai.completions.create(model="second", prompt="hi", max_tokens=2)
+        assert out.model == "first"
+        with Client(s.target, timeout=60) as c:
+            assert c.model_info().model_id == "first"
+    finally:
+        s.stop()
+
+
+def test_the_demo_model_is_called_pagoda_demo():
+    s = InProcessServer.for_config(engine_config(None), ServerOptions(http_port=0)).wait_ready()
+    try:
+        assert openai_client(s).models.list().data[0].id == "pagoda-demo"
+    finally:
+        s.stop()
+
+
+def test_metrics_tokenize_detokenize_version_and_trailing_slashes(srv, model):
+    metrics = httpx.get(srv.http_url + "/metrics")
+    assert metrics.status_code == 200 and "pagoda_requests_total" in metrics.text
+    tok = _post(srv, "/tokenize", {"model": model, "prompt": "héllo", "return_token_strs": True}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] > 0 and len(tok["token_strs"]) == tok["count"]
+    assert _post(srv, "/detokenize", {"model": model, "tokens": tok["tokens"]}).json()["prompt"].endswith("héllo")
+    chat = _post(srv, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+    bad = _post(srv, "/detokenize", {"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[0]"
+    bad = _post(srv, "/tokenize", {"prompt": "\ud800"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    assert httpx.get(srv.http_url + "/version").json()["version"]
+    r = _post(srv, "/v1/completions/", {"model": model, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert httpx.get(srv.http_url + "/v1/models/").status_code == 200
+
+
+@pytest.mark.parametrize("path,fields,param", [
+    ("/v1/completions", '"prompt": "a\\ud800b"', "prompt"),
+    ("/v1/completions", '"prompt": ["fine", "a\\ud800b"]', "prompt[1]"),
+    ("/v1/completions", '"prompt": "a\\ud800b", "stream": true', "prompt"),
+    ("/v1/completions", '"prompt": "hi", "stop": ["\\udcff"]', "stop[0]"),
+    ("/v1/completions", '"prompt": "hi", "bad_words": ["\\ud800"]', "bad_words[0]"),
+    ("/v1/completions", '"prompt": "hi", "guided_regex": "a\\ud800"', "guided_regex"),
+    ("/v1/completions", '"prompt": "hi", "guided_json": {"properties": {"\\ud800": {"type": "string"}}}',
+     "guided_json"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "a\\ud800"}]', "messages[0].content"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]',
+     "messages[0].content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(srv, model, grpc_client, path, fields, param):
+    # JSON's "\ud800" escape unpaired: valid JSON, but no UTF-8 text (a tokenizer's TypeError, once a 500)
+    r = _post(srv, path, f'{{"model": "{model}", "max_tokens": 2, {fields}}}'.encode())
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and "lone surrogate" in err["message"], r.text
+    wait_all_blocks_free(grpc_client)

@@ -6,12 +6,14 @@ refused when the engine loads, not on every request."""
 import os
 import signal
 import socket
+import subprocess
 import time
 
 import grpc
 import pytest
+import torch
 
-from grpc_fixtures import ServeProcess, assert_all_gone, children, tiny_checkpoint
+from grpc_fixtures import REPO, ServeProcess, assert_all_gone, children, pagoda_command, tiny_checkpoint
 from pagoda.client.client import Client
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
@@ -129,3 +131,54 @@ def test_a_backend_that_cannot_run_the_model_is_refused_at_load(tmp_path):
         LLM(path, attention_backend="triton", num_kv_blocks=16)
     out = LLM(path, num_kv_blocks=16).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("flag,fix", [
+    ("--port", "pass another port, or 0 for any free one"),
+    ("--http-port", "pass another port, 0 for any free one, or off"),
+    ("--metrics-port", "pass another port, or 0 for no metrics endpoint"),
+])
+def test_a_port_in_use_is_one_line_naming_its_flag(flag, fix):
+    """Not gRPC's C-core log lines, nor a port number with no hint of the flag that chose it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = {"--port": "0", "--http-port": "0", flag: str(port)}
+        cmd = pagoda_command() + ["serve", "--host", "127.0.0.1", "--model", tiny_checkpoint(), *SERVE_ARGS,
+                                  *(a for pair in ports.items() for a in pair)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.endswith(f"ERROR pagoda.server: port {port} is in use ({flag}): {fix}\n"), out.stderr
+
+
+def test_an_install_without_triton_serves_on_cpu(tmp_path, monkeypatch, caplog):
+    """triton is a test extra (PyPI's CUDA torch brings its own): a CPU install has none, and must not need it."""
+    import sys
+
+    from pagoda.engine.llm_engine import _attention_backend
+
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['triton'] = None  # as if not installed\n")
+    env = {"PYTHONPATH": str(tmp_path)}  # the server and its engine process alike
+    proc = ServeProcess("--model", tiny_checkpoint(), *SERVE_ARGS, env=env)
+    try:
+        proc.wait_ready()
+        with Client(proc.target, timeout=60) as c:
+            assert len(c.generate("Hello", max_tokens=4, ignore_eos=True).token_ids) == 4
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(60) == 0 and "triton" not in proc.output(), proc.output()
+    finally:
+        proc.kill()
+    for argv in (["offline", "hi", "--model", tiny_checkpoint(), "--max-tokens", "2"], ["serve", "--help"]):
+        out = subprocess.run(pagoda_command() + argv, capture_output=True, text=True, timeout=120, cwd=REPO,
+                             env={**os.environ, **env})
+        assert out.returncode == 0 and "triton" not in out.stderr, out
+    # asked for by name it names the fix; on CUDA the default falls back to torch's attention with a warning
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(ValueError, match=r"attention_backend 'triton' is unavailable: triton is not installed "
+                                         r"\(pip install triton\)"):
+        _attention_backend("triton", torch.device("cpu"), 64)
+    assert _attention_backend("auto", torch.device("cuda"), 64) is None
+    assert "triton attention unavailable (triton is not installed (pip install triton)); using the torch " \
+           "implementation" in caplog.text

@@ -91,6 +91,44 @@ def test_pickle_only_checkpoint_refused(tmp_path, checkpoint):
         LLM(str(tmp_path), num_kv_blocks=8)
 
 
+CHECKPOINT_FILES = ("a checkpoint directory holds config.json, the tokenizer files and *.safetensors weights "
+                    "(e.g. `hf download Qwen/Qwen3-0.6B --local-dir DIR`)")
+
+
+@pytest.mark.parametrize("model,message", [
+    ("/nonexistent/model", "model '/nonexistent/model': no such directory (a local checkpoint directory, or a "
+                           "Hugging Face hub id such as Qwen/Qwen3-0.6B)"),
+    ("./no/such/dir", "model './no/such/dir': no such directory"),
+    ("{empty}", f"model '{{empty}}' has no config.json: {CHECKPOINT_FILES}"),
+    ("{config_only}", f"model '{{config_only}}' has no tokenizer files (tokenizer.json, tokenizer.model, "
+                      f"vocab.json, *.tiktoken): {CHECKPOINT_FILES}"),
+    ("{no_weights}", f"model '{{no_weights}}' has no *.safetensors weights: {CHECKPOINT_FILES}"),
+    ("pagoda-tests/no-such-model", "model 'pagoda-tests/no-such-model' is not a local directory, and the Hugging "
+                                   "Face hub cannot be reached and the model is not in the local cache: download it "
+                                   "where there is network (`hf download pagoda-tests/no-such-model`"),
+])
+def test_a_missing_checkpoint_says_what_is_missing(tmp_path, monkeypatch, model, message):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as a machine without network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text("{}")
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text("{}")
+    (tmp_path / "no_weights" / "tokenizer.json").write_text("{}")
+
+    def fill(text: str) -> str:
+        for name in ("empty", "config_only", "no_weights"):
+            text = text.replace("{" + name + "}", str(tmp_path / name))
+        return text
+
+    with pytest.raises(ValueError) as e:
+        LLM(fill(model), num_kv_blocks=8)
+    assert str(e.value).startswith(fill(message)) and "\n" not in str(e.value), e.value
+
+
 @pytest.fixture(scope="module")
 def llm(checkpoint):
     return LLM(checkpoint("llama"), num_kv_blocks=16, max_model_len=64)
@@ -110,6 +148,46 @@ def test_request_errors_name_the_field(llm):
     # nothing leaked, and the engine still works
     assert llm.engine.stats().num_free_blocks == 16
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].num_generated_tokens == 3
+
+
+# A lone UTF-16 surrogate: what JSON's unpaired "\ud800" escape decodes to, and what a byte that is not
+# UTF-8 on a command line becomes (surrogateescape); no tokenizer or grammar takes it.
+LONE = "a\ud800b"
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(stop=["ok", LONE]), "stop[1]"), (dict(bad_words=[LONE]), "bad_words[0]"),
+    (dict(structured_outputs={"regex": LONE}), "structured_outputs.regex"),
+    (dict(structured_outputs={"grammar": f'start: "{LONE}"'}), "structured_outputs.grammar"),
+    (dict(structured_outputs={"choice": ["a", "\udcff"]}), "structured_outputs.choice[1]"),
+    (dict(structured_outputs={"json": {"type": "object", "properties": {LONE: {"type": "string"}}}}),
+     "structured_outputs.json"),
+    (dict(structured_outputs={"json": '{"enum": ["\ud800"]}'}), "structured_outputs.json"),
+])
+def test_a_lone_surrogate_in_an_option_names_it(kw, field):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.field == field and "lone surrogate" in e.value.message, e.value
+
+
+def test_a_lone_surrogate_in_a_request_names_it(llm):
+    from pagoda.engine.validation import check_messages, make_request
+
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate(["fine", LONE], SamplingParams())
+    assert e.value.field == "prompt" and "lone surrogate '\\ud800' at character 1" in e.value.message
+    with pytest.raises(InvalidRequestError) as e:
+        make_request("hi", None, model=llm._model, tokenizer=llm.tokenizer, request_id=LONE)
+    assert e.value.field == "request_id"
+    # a JSON escape in a schema given as text (as gRPC carries it) is decoded when it compiles
+    params = SamplingParams(structured_outputs={"json": '{"properties": {"\\ud800": {"type": "string"}}}'})
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate(["hi"], params)
+    assert e.value.field == "structured_outputs.json" and "lone surrogate" in e.value.message
+    with pytest.raises(InvalidRequestError) as e:  # what the chat template is handed (AsyncEngine)
+        check_messages([{"role": "user", "content": "hi"}, {"role": "user", "content": LONE}])
+    assert e.value.field == "messages[1].content"
+    assert llm.engine.stats().num_free_blocks == 16
 
 
 def test_max_model_len_beyond_cache_is_refused(checkpoint):
@@ -138,3 +216,21 @@ def test_vllm_prompt_dicts(checkpoint):
     with pytest.raises(ValueError, match="prompt as a dict must hold exactly one key.*got \\['multi_modal_data', "
                                          "'prompt'\\]"):
         llm.generate([{"prompt": text, "multi_modal_data": {}}], params)
+
+
+def test_the_demo_model_says_it_is_being_built(tmp_path, monkeypatch, caplog, capfd):
+    import logging
+
+    from pagoda.engine.demo import demo_model_path
+
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="pagoda.engine"):
+        path = demo_model_path()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"building the demo model (random weights) in {path}: on first start only, a few seconds"]
+    assert "Writing model shards" not in capfd.readouterr().err  # transformers' bar for its one shard
+    from transformers.utils import logging as tf_logging
+
+    assert tf_logging.is_progress_bar_enabled()  # turned off only while it was built
+    caplog.clear()
+    assert demo_model_path() == path and not caplog.records  # built once

@@ -279,8 +279,9 @@ def test_several_prompts_errors_name_the_prompt(client, srv):
 
 
 def test_a_refused_prompt_ends_the_whole_call_and_frees_the_others():
-    """The queue holds 2: a call with 3 prompts is refused (RESOURCE_EXHAUSTED) and the 2 it had
-    queued are aborted, not left running for nobody."""
+    """The queue holds 2 and one request waits in it: a call with 2 prompts is refused
+    (RESOURCE_EXHAUSTED) and the one it had queued is aborted, not left running for nobody. A call
+    with more prompts than the queue can ever hold is INVALID_ARGUMENT (retrying cannot help)."""
     import threading
     import time
 
@@ -301,11 +302,21 @@ def test_a_refused_prompt_ends_the_whole_call_and_frees_the_others():
             first = threading.Thread(target=lambda: list(busy))
             first.start()
             assert entered.wait(30)  # the core is held inside a step: what comes now stays queued
+            waiting = c.generate_stream("y", max_tokens=2)
+            second = threading.Thread(target=lambda: list(waiting))
+            second.start()
+            deadline = time.monotonic() + 30
+            while s.engine.num_queued() < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompts=["a", "b"], max_tokens=2)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             with pytest.raises(grpc.RpcError) as e:
                 c.generate(prompts=["a", "b", "c"], max_tokens=2)
-            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-queue-len" in e.value.details()
             gate.set()
             first.join(30)
+            second.join(30)
             deadline = time.monotonic() + 30
             while s.engine.num_in_flight and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -315,3 +326,24 @@ def test_a_refused_prompt_ends_the_whole_call_and_frees_the_others():
     finally:
         gate.set()
         s.stop()
+
+
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing():
+    """max_tokens 0 runs the prompt (in chunks here) and samples nothing: prompt logprobs as with
+    max_tokens 1, no token, finish reason length, every block free; offline and over gRPC."""
+    llm = LLM(tiny_checkpoint(), num_kv_blocks=64, max_num_batched_tokens=16, block_size=4)
+    scored, one = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=0, prompt_logprobs=1),
+                                                  SamplingParams(max_tokens=1, prompt_logprobs=1)])
+    assert scored.token_ids == [] and scored.text == "" and scored.finish_reason == "length"
+    assert scored.num_generated_tokens == 0 and len(one.token_ids) == 1
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(PROMPT)
+    assert [lp.logprob for lp in scored.prompt_logprobs[1:]] == pytest.approx(
+        [lp.logprob for lp in one.prompt_logprobs[1:]], abs=1e-4)
+    assert llm.engine.stats().num_used_blocks == 0
+
+
+def test_max_tokens_0_over_grpc(client):
+    r = client.generate(PROMPT, max_tokens=0, prompt_logprobs=0)
+    assert list(r.token_ids) == [] and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(PROMPT)
+    assert len(r.prompt_logprobs) == len(PROMPT) - 1  # none for the first token
+    wait_all_blocks_free(client)

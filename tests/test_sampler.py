@@ -22,6 +22,7 @@ def test_top_p_mask_exact():
     logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]]).log()
     assert top_k_top_p_mask(logits, None, torch.tensor([0.5]))[0].isfinite().tolist() == [True, False, False, False]
     assert top_k_top_p_mask(logits, None, torch.tensor([0.6]))[0].isfinite().tolist() == [True, True, False, False]
+    assert top_k_top_p_mask(logits, None, torch.tensor([0.0]))[0].isfinite().tolist() == [True, False, False, False]
     assert top_k_top_p_mask(logits, None, torch.tensor([0.75]))[0].isfinite().tolist() == [True, True, False, False]
     assert top_k_top_p_mask(logits, None, torch.tensor([0.8]))[0].isfinite().sum() == 3  # one of the 0.125 pair
     assert top_k_top_p_mask(logits, None, torch.tensor([1.0]))[0].isfinite().all()
@@ -116,9 +117,9 @@ def test_logprobs(checkpoint):
         assert math.isclose(lp.top[0][1], lp.logprob, rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("field,value", [("top_p", 1.5), ("top_p", 0.0), ("temperature", -1.0),
-                                         ("max_tokens", -3), ("max_tokens", 0), ("top_k", -2), ("min_p", 2.0),
-                                         ("temperature", float("nan")), ("top_logprobs", 21), ("seed", -1),
+@pytest.mark.parametrize("field,value", [("top_p", 1.5), ("top_p", -0.1), ("temperature", -1.0),
+                                         ("max_tokens", -3), ("top_k", -2), ("min_p", 2.0),
+                                         ("temperature", float("nan")), ("top_logprobs", 21), ("seed", -2**63 - 1),
                                          ("presence_penalty", 3.0), ("repetition_penalty", 0.0)])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

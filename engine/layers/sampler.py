@@ -52,7 +52,9 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: to
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass above it < top_p
-        sorted_logits.masked_fill_(mass_before >= top_p[:, None], float("-inf"))
+        drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token always stays (top_p 0: only it)
+        sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
