@@ -100,7 +100,7 @@ def build(steps: int = 600, batch: int = 8, seed: int = 0, corpus_bytes: int = 8
     import torch
 
     text = corpus(corpus_bytes)
-    key = hashlib.sha256(json.dumps([VERSION, SHAPES, steps, batch, seed, torch.get_num_threads()]).encode()
+    key = hashlib.sha256(json.dumps([VERSION, SHAPES, SEQ_LEN, steps, batch, seed, torch.get_num_threads()]).encode()
                          + hashlib.sha256(text.encode()).digest()).hexdigest()[:16]
     root = root or os.path.join(os.environ.get("PAGODA_CACHE") or os.path.expanduser("~/.cache/pagoda"),
                                 "trained", key)
