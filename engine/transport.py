@@ -49,24 +49,15 @@ def run_core(core, commands, report) -> None:
                 outputs += core.abort(cmd.request_id)
         if not (outputs or num_added or core.has_work()):
             continue  # woke only to check the ranks
-        reported = False
-
-        def report_queue():
-            # Requests taken in now count in the scheduler's waiting list, and those this step
-            # admitted no longer do: the front-end's queue limit sees that before the model runs.
-            nonlocal reported
-            if num_added and not reported:
-                reported = True
-                report(Queued(core.num_waiting, num_added))
-
         try:
-            outputs += core.step(report_queue) if core.has_work() else []
+            outputs += core.step() if core.has_work() else []
         except EngineDeadError:
             raise
         except Exception:  # a bug outside the model run; never let the loop die
             log.exception("engine step crashed")
             outputs += core.fail_all("internal engine error")
-        report_queue()
+        if num_added:  # the requests taken in are now in the core's waiting list or running
+            report(Queued(core.num_waiting, num_added))
         report(StepReport(outputs, core.stats()))
 
 
@@ -87,9 +78,9 @@ class ThreadTransport:
     """The core in a thread of this process; it calls on_report itself."""
 
     def __init__(self, config: EngineConfig):
-        from pagoda.engine.llm_engine import LLMEngine
+        from pagoda.engine.core import EngineCore
 
-        self.core = LLMEngine(config)
+        self.core = EngineCore(config)
         self.ready = ready_report(self.core)
         self._commands = _Inbox()
         self._thread: threading.Thread | None = None
@@ -222,10 +213,10 @@ def _child_main(config: EngineConfig, conn, logs, log_level: int) -> None:
     root = logging.getLogger()
     root.handlers[:] = [QueueHandler(logs)]
     root.setLevel(log_level)
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.core import EngineCore
 
     try:
-        core = LLMEngine(config)
+        core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(CoreFailed(e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return
