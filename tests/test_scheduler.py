@@ -177,3 +177,94 @@ def test_a_step_looks_at_the_head_of_the_queue_only(num_waiting):
         sched.update_from_output(out, [[7], [7], [7]])
     assert len(looked) == 3  # one waiting request per step, whatever the queue's length
     assert len(sched.waiting) == num_waiting
+
+
+# ---- stop checks: one token at a time, through update_from_output ----
+
+class _Detokenizer:
+    """Stand-in for IncrementalDetokenizer: token t reads as chr(t)."""
+
+    def __init__(self):
+        self.text = ""
+
+    def append(self, token):
+        self.text += chr(token)
+
+    def find_stop(self, stops, include):
+        return any(s in self.text for s in stops)
+
+
+def _generated(params: dict, prompt=(100, 101)) -> Sequence:
+    """A sequence with a stand-in detokenizer, its tokens appended by the test."""
+    s = toks("s", prompt, **params)
+    s.detokenizer = _Detokenizer()
+    return s
+
+
+@pytest.mark.parametrize("params, tokens, want", [
+    ({}, [2], FinishReason.EOS),
+    ({"ignore_eos": True}, [2], None),
+    ({"stop_token_ids": [9]}, [9], FinishReason.STOP_TOKEN),
+    ({"stop": ["ab"]}, [ord("a"), ord("b")], FinishReason.STOP_STRING),
+    ({"max_tokens": 2}, [5, 5], FinishReason.LENGTH),
+    ({"min_tokens": 2}, [2], None),  # EOS under min_tokens does not stop
+    ({"min_tokens": 2, "stop_token_ids": [9]}, [5, 9], FinishReason.STOP_TOKEN),
+])
+def test_check_stop_each_kind(params, tokens, want):
+    s = _generated(params)
+    got = None
+    for t in tokens:
+        s.token_ids.append(t)
+        got = check_stop(s, max_model_len=64)
+    assert got is want
+
+
+def test_check_stop_at_the_context_limit():
+    s = _generated({"max_tokens": 100})
+    s.token_ids.append(5)
+    assert check_stop(s, max_model_len=3) is FinishReason.LENGTH
+
+
+def _decoding(sched: Scheduler, *seqs: Sequence) -> None:
+    """Admit seqs and compute their prompts (each samples 7), so that the next step decodes them."""
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    sched.update_from_output(out, [[7]] * len(seqs))
+    assert [s.num_generated_tokens for s in seqs] == [1] * len(seqs)
+
+
+def test_update_from_output_appends_several_tokens_and_stops_at_the_first_stop():
+    sched = Scheduler(BlockManager(num_blocks=16, block_size=4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=64)
+    a = toks("a", range(10, 15), max_tokens=10, stop_token_ids=[9])
+    b = toks("b", range(20, 25), max_tokens=10)
+    _decoding(sched, a, b)
+    out = sched.schedule()
+    assert out.seqs == [a, b] and out.num_sampled == [1, 1]
+    changed = sched.update_from_output(out, [[5, 9, 6, 6], [3, 4, 5]])
+    assert changed == [a, b]
+    assert a.generated_token_ids == [7, 5, 9] and a.finish_reason is FinishReason.STOP_TOKEN  # 6, 6 dropped
+    assert a.block_table == [] and sched.running == [b]
+    assert b.generated_token_ids == [7, 3, 4, 5] and not b.is_finished
+    assert sched.num_generated_tokens == 2 + 2 + 3
+
+
+def test_update_from_output_stops_at_max_tokens_within_a_step():
+    sched = Scheduler(BlockManager(num_blocks=16, block_size=4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=64)
+    a = toks("a", range(10, 15), max_tokens=3)
+    _decoding(sched, a)
+    sched.update_from_output(sched.schedule(), [[5, 6, 7, 8]])
+    assert a.generated_token_ids == [7, 5, 6] and a.finish_reason is FinishReason.LENGTH
+
+
+def test_finish_records_the_error_once():
+    sched = Scheduler(BlockManager(num_blocks=16, block_size=4), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=64)
+    a = toks("a", range(10, 15))
+    sched.add(a)
+    sched.finish(a, FinishReason.ERROR, "boom")
+    assert (a.finish_reason, a.error, sched.waiting) == (FinishReason.ERROR, "boom", [])
+    sched.finish(a, FinishReason.ABORT)  # already finished: nothing changes
+    assert (a.finish_reason, a.error) == (FinishReason.ERROR, "boom")
