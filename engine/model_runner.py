@@ -198,42 +198,34 @@ class ModelRunner:
         return out
 
     def _prepare_inputs(self, sched: SchedulerOutput):
+        """The step's flat batch on the device: input_ids, positions [num_tokens], attention
+        metadata, and the rows whose logits are sampled (None: every row)."""
         seqs, bs = sched.seqs, self.block_size
-        # one pass over the sequences (this runs every step; numpy does the rest)
-        starts, ids, tables = [], [], []
-        for s, n in zip(seqs, sched.num_new_tokens):
-            a = s.num_computed_tokens
-            starts.append(a)
-            ids += s.token_ids[a:a + n]
-            tables.append(s.block_table)
-        counts_np = np.array(sched.num_new_tokens, dtype=np.int64)
+        input_ids, starts, tables = _gather(sched)
+        counts = np.array(sched.num_new_tokens, dtype=np.int64)
         num_sampled = np.array(sched.num_sampled, dtype=np.int64)
-        starts = np.array(starts, dtype=np.int64)
-        ends = starts + counts_np
-        num_tokens = len(ids)
+        ends = starts + counts
+        num_tokens = len(input_ids)
         # positions: each seq's range [start, end), flattened
         if num_tokens == len(seqs):  # one token per sequence
             seq_of_token, positions = np.arange(num_tokens), starts
         else:
-            seq_of_token = np.repeat(np.arange(len(seqs)), counts_np)
-            offsets = np.cumsum(counts_np) - counts_np
+            seq_of_token = np.repeat(np.arange(len(seqs)), counts)
+            offsets = np.cumsum(counts) - counts
             positions = starts[seq_of_token] + np.arange(num_tokens) - offsets[seq_of_token]
-        input_ids = np.array(ids, dtype=np.int64)
-        # block tables: [num_seqs, widest], padded with -1
-        tables = np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         # single-token queries (the scheduler puts them first) take the decode path; longer ones
         # (prefill chunks, several query tokens) the prefill path, which attends over a cached context too
-        num_decodes = int(np.sum(counts_np == 1))
-        cu = np.concatenate([[0], np.cumsum(counts_np[num_decodes:])]).astype(np.int32)
-        # the rows to sample from; None: every row (a decode step), no gather needed
-        logits_idx = None if num_tokens == len(seqs) and num_sampled.all() else _sample_rows(counts_np, num_sampled)
-        lens = ends.astype(np.int32)
+        num_decodes = int(np.sum(counts == 1))
+        logits_idx = None if num_tokens == len(seqs) and num_sampled.all() else _sample_rows(counts, num_sampled)
+        meta = self._attention_metadata(slots, tables, counts, ends, num_decodes)
+        logits_idx = None if logits_idx is None else self._to_device(logits_idx, torch.int64)
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, logits_idx
 
-        def t(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
-
-        meta = AttentionMetadata(
+    def _attention_metadata(self, slots, tables, counts, ends, num_decodes: int) -> AttentionMetadata:
+        t, lens = self._to_device, ends.astype(np.int32)
+        cu = np.concatenate([[0], np.cumsum(counts[num_decodes:])]).astype(np.int32)
+        return AttentionMetadata(
             slot_mapping=t(slots, torch.int64),
             num_decode_tokens=num_decodes,
             decode_block_tables=t(tables[:num_decodes], torch.int32),
@@ -241,12 +233,13 @@ class ModelRunner:
             prefill_block_tables=t(tables[num_decodes:], torch.int32),
             prefill_query_start_loc=t(cu, torch.int32),
             prefill_context_lens=t(lens[num_decodes:], torch.int32),
-            max_query_len=int(counts_np.max()),
+            max_query_len=int(counts.max()),
             max_context_len=int(ends.max()),
-            decode_groups=_decode_groups(ends[:num_decodes], bs) if self.pads_decodes else (),
+            decode_groups=_decode_groups(ends[:num_decodes], self.block_size) if self.pads_decodes else (),
         )
-        logits_idx = None if logits_idx is None else t(logits_idx, torch.int64)
-        return t(input_ids, torch.int64), t(positions, torch.int64), meta, logits_idx
+
+    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]
@@ -351,6 +344,19 @@ class StepResult:
     tokens: list[list[int]]  # per sampling sequence, in the step's order: its new tokens (one today)
     logprobs: list | None = None  # per sampling sequence: (chosen logprob, top pairs) or None
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)  # new this step
+
+
+def _gather(sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The one pass over the step's sequences (numpy does the rest): the new tokens' ids, flat;
+    each seq's first new position; block tables [num_seqs, widest], padded with -1."""
+    starts, ids, tables = [], [], []
+    for s, n in zip(sched.seqs, sched.num_new_tokens):
+        a = s.num_computed_tokens
+        starts.append(a)
+        ids += s.token_ids[a:a + n]
+        tables.append(s.block_table)
+    tables = np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
+    return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), tables
 
 
 def _sample_rows(num_query: np.ndarray, num_sampled: np.ndarray) -> np.ndarray:
