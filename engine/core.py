@@ -195,8 +195,18 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs of the sequences that got tokens or finished."""
+        sched, failed = self.schedule()
+        return self.execute(sched, failed)
+
+    def schedule(self) -> tuple[SchedulerOutput, list[Sequence]]:
+        """The step's first phase: sequences whose grammar is built join the queue, the scheduler picks
+        the batch. Then num_waiting is the step's (the transport reports it before the model runs).
+        Returns the batch, and the sequences whose grammar failed (finished)."""
         failed = self._admit_compiled()
-        sched = self.scheduler.schedule()
+        return self.scheduler.schedule(), failed
+
+    def execute(self, sched: SchedulerOutput, failed: list[Sequence]) -> list[RequestOutput]:
+        """The rest of the step: run -> update from output -> report."""
         result = self._run(sched, idle=not failed)
         changed = self._update_from_output(sched, result)
         return self._report(failed + changed)

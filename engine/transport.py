@@ -50,13 +50,19 @@ def run_core(core, commands, report) -> None:
         if not (outputs or num_added or core.has_work()):
             continue  # woke only to check the ranks
         try:
-            outputs += core.step() if core.has_work() else []
+            scheduled = core.schedule() if core.has_work() else None
+            # Requests taken in now count in the core's waiting list, and those this step admitted
+            # no longer do: the front-end's queue limit sees that before the model runs.
+            if num_added:
+                report(Queued(core.num_waiting, num_added))
+                num_added = 0
+            outputs += core.execute(*scheduled) if scheduled is not None else []
         except EngineDeadError:
             raise
         except Exception:  # a bug outside the model run; never let the loop die
             log.exception("engine step crashed")
             outputs += core.fail_all("internal engine error")
-        if num_added:  # the requests taken in are now in the core's waiting list or running
+        if num_added:
             report(Queued(core.num_waiting, num_added))
         report(StepReport(outputs, core.stats()))
 
