@@ -16,9 +16,9 @@ from pagoda.engine.layers import quantization
 from pagoda.engine.loader import load_hf_config, load_tokenizer, load_weights, resolve_model_path
 from pagoda.engine.model_runner import ModelRunner
 from pagoda.engine.models import architecture_of, build_model
-from pagoda.engine.output_processor import step_outputs
+from pagoda.engine.core_outputs import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
-from pagoda.engine.protocol import EngineRequest
+from pagoda.engine.core_io import EngineRequest
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.sequence import FinishReason, Sequence
 from pagoda.engine.structured import GrammarCompiler
