@@ -96,7 +96,7 @@ def _param_of(loc) -> str | None:
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "function-after", "literal"}
 
 
-# ---- uvicorn ----
+# ---- the server ----
 
 class _ChunkedBodyLimit:
     """--max-message-bytes for a body sent without Content-Length (chunked), which the route would
@@ -115,7 +115,7 @@ class _ChunkedBodyLimit:
                 size += len(message.get("body", b""))
                 if size > limit:
                     response = error_response(413, f"the request body is more than this server's {limit} bytes "
-                                           f"(--max-message-bytes)")
+                                                   f"(--max-message-bytes)")
                     return await response(scope, receive, send)
                 parts.append(message.get("body", b""))
                 if not message.get("more_body", False):

@@ -60,16 +60,23 @@ class Serving:
             return error_for(e)
         call = Call(rid, int(time.time()), self.model_id(), engine, reqs, Logprobs(engine.vocab))
         if body.stream:
-            status = {"code": grpc.StatusCode.OK}
+            return self._stream(chunks(call, outputs), record, stack, rid)
+        return await self._whole(lambda outs: answer(call, outs), outputs, request, record, stack, rid)
 
-            async def close():  # the call's end, however it ends: even cancelled before its first chunk
-                self._finish(record, status["code"])
-                await stack.aclose()  # aborts every request that has not finished
-            return sse.EventStream(sse.events(chunks(call, outputs), status), close, headers={"X-Request-Id": rid})
+    def _stream(self, chunks, record, stack, rid: str) -> Response:
+        status = {"code": grpc.StatusCode.OK}
+
+        async def close():  # the call's end, however it ends: even cancelled before its first chunk
+            self._finish(record, status["code"])
+            await stack.aclose()  # aborts every request that has not finished
+        return sse.EventStream(sse.events(chunks, status), close, headers={"X-Request-Id": rid})
+
+    async def _whole(self, answer, outputs, request: Request, record, stack, rid: str) -> Response:
+        """Every choice to its end, answered whole; a client that leaves first aborts them all."""
         code = grpc.StatusCode.OK
         try:
             outs = await _unless_disconnected(whole_outputs(outputs), request)
-            return json_response(answer(call, outs), headers={"X-Request-Id": rid})
+            return json_response(answer(outs), headers={"X-Request-Id": rid})
         except Exception as e:
             code = status_for(e)[0]
             return error_for(e)
