@@ -116,14 +116,16 @@ def test_sendable_end(length, num_sent, stop, end):
     assert sendable_end(length, num_sent, stop) == end
 
 
-@pytest.mark.parametrize("reason", list(FinishReason))
-def test_every_finish_reason_has_one_name_per_door(reason):
-    names = FINISH_REASONS[reason.value]
-    assert names.openai == reason.public  # the engine's RequestOutput.finish_reason
-    assert pb.FinishReason.Value("FINISH_REASON_" + names.grpc) is not None
-    out = RequestOutput("r", [], "", finished=True, finish_reason=names.openai, stop_reason=reason.value)
-    assert convert.finish_reason(out) == pb.FinishReason.Value("FINISH_REASON_" + names.grpc)
-    # what an OpenAI client may see: a completion that ended by itself is "stop" or "length"
-    if reason not in (FinishReason.ABORT, FinishReason.ERROR):
-        assert names.openai in ("stop", "length")
+@pytest.mark.parametrize("reason,openai,grpc", [
+    (FinishReason.EOS, "stop", pb.FINISH_REASON_EOS), (FinishReason.STOP_TOKEN, "stop", pb.FINISH_REASON_STOP_TOKEN),
+    (FinishReason.STOP_STRING, "stop", pb.FINISH_REASON_STOP_STRING),
+    (FinishReason.GRAMMAR, "stop", pb.FINISH_REASON_GRAMMAR), (FinishReason.LENGTH, "length", pb.FINISH_REASON_LENGTH),
+    (FinishReason.ABORT, "abort", pb.FINISH_REASON_ABORTED), (FinishReason.ERROR, "error", pb.FINISH_REASON_UNSPECIFIED)])
+def test_every_finish_reason_has_one_name_per_door(reason, openai, grpc):
+    assert set(FINISH_REASONS) == {r.value for r in FinishReason}
+    seq = sequence()
+    finish(seq, reason)
+    [out] = step_outputs([seq])
+    assert (out.finish_reason, out.stop_reason) == (openai, reason.value)  # the HTTP door's finish_reason
+    assert convert.finish_reason(out) == grpc
     assert convert.finish_reason(RequestOutput("r", [], "")) == pb.FINISH_REASON_UNSPECIFIED
