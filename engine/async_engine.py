@@ -56,8 +56,9 @@ class AsyncEngine:
                      default_max_tokens: int | None = None, stream: bool = True) -> EngineRequest:
         """A prompt (text or token ids) and its params, checked against the model and tokenized;
         raises InvalidRequestError naming the field. stream=False: the core sends each completion
-        once, whole, when it finishes (vLLM's RequestOutputKind.FINAL_ONLY). Tokenizing a long text takes a while: callers
-        on an event loop may run this in a thread and hand the result to generate()."""
+        once, whole, when it finishes (vLLM's RequestOutputKind.FINAL_ONLY). Tokenizing a long text
+        takes a while: callers on an event loop may run this in a thread and hand the result to
+        generate()."""
         return make_request(prompt, params, model=self._model, tokenizer=self.tokenizer, request_id=request_id,
                             priority=priority, limits=limits, default_max_tokens=default_max_tokens,
                             stream=stream, grammars=self.grammars)

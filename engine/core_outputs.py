@@ -27,6 +27,7 @@ def failed_output(request_id: str, error: str, index: int = 0) -> RequestOutput:
 
 def _output(seq: Sequence) -> RequestOutput:
     reason = seq.finish_reason
+    public = FINISH_REASONS[reason.value].openai if reason else None
     if reason is FinishReason.ERROR:
         return failed_output(seq.request_id, seq.error, seq.index)
     if reason in _FLUSHED:
@@ -37,7 +38,7 @@ def _output(seq: Sequence) -> RequestOutput:
     out = RequestOutput(
         request_id=seq.request_id, index=seq.index, token_ids=seq.token_ids[seq.num_prompt_tokens + sent:],
         text=text[seq.num_text_sent:end], finished=reason is not None,
-        finish_reason=FINISH_REASONS[reason.value].openai if reason else None, stop_reason=reason.value if reason else None,
+        finish_reason=public, stop_reason=reason.value if reason else None,
         num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=num_generated,
         num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics(),
         logprobs=seq.logprobs[sent:num_generated] if seq.params.logprobs else None,

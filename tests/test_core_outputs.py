@@ -120,7 +120,8 @@ def test_sendable_end(length, num_sent, stop, end):
     (FinishReason.EOS, "stop", pb.FINISH_REASON_EOS), (FinishReason.STOP_TOKEN, "stop", pb.FINISH_REASON_STOP_TOKEN),
     (FinishReason.STOP_STRING, "stop", pb.FINISH_REASON_STOP_STRING),
     (FinishReason.GRAMMAR, "stop", pb.FINISH_REASON_GRAMMAR), (FinishReason.LENGTH, "length", pb.FINISH_REASON_LENGTH),
-    (FinishReason.ABORT, "abort", pb.FINISH_REASON_ABORTED), (FinishReason.ERROR, "error", pb.FINISH_REASON_UNSPECIFIED)])
+    (FinishReason.ABORT, "abort", pb.FINISH_REASON_ABORTED),
+    (FinishReason.ERROR, "error", pb.FINISH_REASON_UNSPECIFIED)])
 def test_every_finish_reason_has_one_name_per_door(reason, openai, grpc):
     assert set(FINISH_REASONS) == {r.value for r in FinishReason}
     seq = sequence()

@@ -2,6 +2,8 @@
 stream starts with each choice's role. render_chat also serves /tokenize."""
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -15,9 +17,8 @@ class Chat:
         self.serving = serving
 
     async def create(self, body: ChatRequest, request: Request) -> Response:
-        return await self.serving.generate(body, request, "chatcmpl-", lambda engine, rid: self._requests(body, engine, rid),
-                                           lambda call, outs: _whole(body, call, outs),
-                                           lambda call, outputs: _chunks(body, call, outputs))
+        return await self.serving.generate(body, request, "chatcmpl-", partial(self._requests, body),
+                                           partial(_whole, body), partial(_chunks, body))
 
     def _requests(self, body: ChatRequest, engine, rid: str) -> list:
         # max_completion_tokens (OpenAI's newer name) wins where both are given, as in vLLM

@@ -2,6 +2,8 @@
 `echo` puts the prompt (and with logprobs its tokens' logprobs) before each choice's text."""
 from __future__ import annotations
 
+from functools import partial
+
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -16,9 +18,8 @@ class Completions:
         self.serving = serving
 
     async def create(self, body: CompletionRequest, request: Request) -> Response:
-        return await self.serving.generate(body, request, "cmpl-", lambda engine, rid: self._requests(body, engine, rid),
-                                           lambda call, outs: _whole(body, call, outs),
-                                           lambda call, outputs: _chunks(body, call, outputs))
+        return await self.serving.generate(body, request, "cmpl-", partial(self._requests, body),
+                                           partial(_whole, body), partial(_chunks, body))
 
     def _requests(self, body: CompletionRequest, engine, rid: str) -> list:
         # echo with logprobs: the prompt's tokens come with theirs (the first one's null)
