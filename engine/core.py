@@ -15,9 +15,9 @@ from pagoda.engine.layers import quantization
 from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
 from pagoda.engine.model_runner import ModelRunner, StepResult
 from pagoda.engine.models import architecture_of
-from pagoda.engine.output_processor import step_outputs
+from pagoda.engine.core_outputs import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
-from pagoda.engine.protocol import EngineRequest
+from pagoda.engine.core_io import EngineRequest
 from pagoda.engine.scheduler import Scheduler, SchedulerOutput
 from pagoda.engine.sequence import FinishReason, Sequence
 from pagoda.engine.structured import StructuredOutputManager

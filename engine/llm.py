@@ -2,7 +2,7 @@
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.errors import EngineError, InvalidRequestError
 from pagoda.engine.core import EngineCore
-from pagoda.engine.output_processor import full_output
+from pagoda.engine.outputs import full_output
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.validation import ModelLimits, make_request

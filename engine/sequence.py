@@ -21,14 +21,7 @@ class FinishReason(Enum):
     STOP_STRING = "stop_string"
     GRAMMAR = "grammar"  # the structured output is complete: its grammar allows nothing more
     ABORT = "abort"
-    ERROR = "error"
-
-    @property
-    def public(self) -> str:
-        """The vLLM/OpenAI-style reason: stop, length, abort or error."""
-        if self in (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING, FinishReason.GRAMMAR):
-            return "stop"
-        return self.value
+    ERROR = "error"  # each door's name for these: engine/outputs.py FINISH_REASONS
 
 
 _arrival = itertools.count()
@@ -77,7 +70,7 @@ class Sequence:
         self.matcher = matcher  # structured output: an llguidance matcher (engine/structured.py), once built
         self.detokenizer = detokenizer  # IncrementalDetokenizer: stop strings and the output's text
         self.generator = generator  # torch.Generator when params.seed is set
-        self.stream = stream  # outputs every step, or only when finished (output_processor)
+        self.stream = stream  # outputs every step, or only when finished (engine/core_outputs.py)
         self.num_tokens_sent = 0  # generated tokens already in an output
         self.num_text_sent = 0  # characters of the text already in an output
 

@@ -6,7 +6,7 @@ the time made offline generation 19% slower; another process busy 100% cost noth
 process owns the model and steps it; the parent keeps the tokenizer (requests are tokenized and
 checked before they are sent) and the per-request queues.
 
-Both transports run the same loop (run_core) over the same records (engine/protocol.py): commands
+Both transports run the same loop (run_core) over the same records (engine/core_io.py): commands
 in, reports out. A report reaches the front-end through `on_report`, called in the core's thread
 (in-thread) or in a receiver thread that reads the child's pipe.
 """
@@ -20,10 +20,10 @@ import threading
 from logging.handlers import QueueHandler, QueueListener
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.core_io import (Abort, Closed, CoreFailed, CoreReady, EngineRequest, Queued, Shutdown,
+                                   StepReport)
+from pagoda.engine.core_outputs import failed_output
 from pagoda.engine.errors import EngineDeadError
-from pagoda.engine.output_processor import failed_output
-from pagoda.engine.protocol import (Abort, Closed, CoreFailed, CoreReady, EngineRequest, Queued, Shutdown,
-                                    StepReport)
 
 log = logging.getLogger("pagoda.engine")
 
