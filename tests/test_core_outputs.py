@@ -25,8 +25,8 @@ class Detokenizer:
 
 
 def sequence(stream: bool = True, **params) -> Sequence:
-    seq = Sequence("r-0", [1, 2, 3], SamplingParams(**params), max_tokens=100, request_id="r", stream=stream)
-    seq.detokenizer = Detokenizer(seq)
+    seq = Sequence("r", [1, 2, 3], SamplingParams(**{"max_tokens": 100, **params}), stream=stream)
+    seq.detokenizer = Detokenizer(seq)  # it reads the sequence it belongs to
     return seq
 
 
