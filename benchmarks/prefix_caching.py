@@ -46,11 +46,11 @@ def measure(args, caching: bool, prompts) -> dict:
     engine.start()
     try:
         asyncio.run(run(engine, [prompts[0][:8]], 2))  # warm-up, shares nothing with the workload
-        before = engine.engine.num_prompt_tokens_processed
+        before = engine.engine.stats().num_prompt_tokens_processed
         t0 = time.perf_counter()
         ttfts = asyncio.run(run(engine, prompts, args.max_tokens))
         wall = time.perf_counter() - t0
-        return dict(caching=caching, prompt_tokens_computed=engine.engine.num_prompt_tokens_processed - before,
+        return dict(caching=caching, prompt_tokens_computed=engine.engine.stats().num_prompt_tokens_processed - before,
                     mean_ttft_s=statistics.mean(ttfts), p50_ttft_s=statistics.median(ttfts),
                     wall_s=wall, hit_rate=engine.stats().prefix_cache_hit_rate)
     finally:

@@ -69,18 +69,19 @@ def run(llm, workload, constrained: bool) -> tuple[float, int]:
 def mask_costs(llm, workload) -> dict:
     """One constrained run with the mask work timed: ms per engine step."""
     import pagoda.engine.layers.sampler as sampler
-    import pagoda.engine.model_runner as runner
+    import pagoda.engine.structured as structured
 
-    fill, apply = Timed(runner.fill_bitmasks), Timed(sampler.apply_allowed)
-    advance = Timed(llm.engine._advance_matchers)
+    manager = llm.engine.structured
+    fill, apply = Timed(structured.fill_bitmasks), Timed(sampler.apply_allowed)
+    advance = Timed(manager.accept)
     step = Timed(llm.engine.step)
-    runner.fill_bitmasks, sampler.apply_allowed = fill, apply
-    llm.engine._advance_matchers, llm.engine.step = advance, step
+    structured.fill_bitmasks, sampler.apply_allowed = fill, apply
+    manager.accept, llm.engine.step = advance, step
     try:
         run(llm, workload, constrained=True)
     finally:
-        runner.fill_bitmasks, sampler.apply_allowed = fill.fn, apply.fn
-        del llm.engine._advance_matchers, llm.engine.step
+        structured.fill_bitmasks, sampler.apply_allowed = fill.fn, apply.fn
+        del manager.accept, llm.engine.step
     steps = step.calls
     return {"steps": steps, "step_ms": 1e3 * step.seconds / steps, "fill_ms": 1e3 * fill.seconds / steps,
             "apply_ms": 1e3 * apply.seconds / steps, "advance_ms": 1e3 * advance.seconds / steps}

@@ -55,17 +55,19 @@ def where_time_goes(llm, workload) -> dict:
     workers, engine = llm.engine.workers, llm.engine
     timers = {"send": 0.0, "step": 0.0, "steps": 0}
     sizes = []
-    real_inputs, real_send, real_step = runner_module.step_inputs, workers.send, engine.step
+    real_inputs, real_call, real_step = runner_module.step_inputs, workers.call, engine.step
 
     def step_inputs(*a):
         record = real_inputs(*a)
         sizes.append(len(pickle.dumps(record)))
         return record
 
-    def send(record):
+    def call(method, *args, **kw):
         t0 = time.perf_counter()
-        real_send(record)
-        timers["send"] += time.perf_counter() - t0
+        try:
+            return real_call(method, *args, **kw)
+        finally:
+            timers["send"] += time.perf_counter() - t0
 
     def step(*a, **kw):
         t0 = time.perf_counter()
@@ -75,13 +77,13 @@ def where_time_goes(llm, workload) -> dict:
             timers["step"] += time.perf_counter() - t0
             timers["steps"] += 1
     parallel.all_reduce, parallel.all_gather_last = reduce, gather
-    runner_module.step_inputs, workers.send, engine.step = step_inputs, send, step
+    runner_module.step_inputs, workers.call, engine.step = step_inputs, call, step
     try:
         run(llm, workload)
     finally:
         parallel.all_reduce, parallel.all_gather_last = reduce.fn, gather.fn
         runner_module.step_inputs = real_inputs
-        del workers.send, engine.step
+        del workers.call, engine.step
     n = timers["steps"]
     return {"steps": n, "step_ms": 1e3 * timers["step"] / n, "send_ms": 1e3 * timers["send"] / n,
             "all_reduce_ms": 1e3 * reduce.seconds / n, "all_reduces": reduce.calls / n,

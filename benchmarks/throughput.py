@@ -59,7 +59,7 @@ class Pagoda:
 
 @contextlib.contextmanager
 def ticking(engine, bar):
-    """Ticks the bar per finished request: wraps LLMEngine.step, which returns the sequences it updated."""
+    """Ticks the bar per finished request: wraps EngineCore.step, which returns the sequences it updated."""
     step = engine.step
 
     def counted():

@@ -1,8 +1,11 @@
 """The asyncio front-end: one API (make_request, generate, abort, stats, shutdown) over either
 transport to the engine core (engine/transport.py: a thread of this process, or a child process;
 EngineConfig.engine_process chooses). It checks and tokenizes requests (engine/validation.py),
-owns request ids and the queue limit, and routes each step's outputs (made by the core's output
-processor) to per-request asyncio queues, with one wake-up per event loop per step."""
+owns request ids and the queue limit, and routes each step's outputs (made in the core,
+engine/core_outputs.py) to per-request asyncio queues, with one wake-up per event loop per step.
+A caller takes them as deltas (generate, open), or as whole completions: a request made with
+stream=False (the core's whole-output mode), or deltas folded by whole_outputs (one output per
+completion, with its finish reason, counts and logprobs final)."""
 import asyncio
 import contextlib
 import dataclasses
@@ -12,10 +15,9 @@ import time
 from collections.abc import AsyncIterator
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.core_io import Abort, CoreFailed, EngineRequest, Queued, StepReport
 from pagoda.engine.errors import DuplicateRequestError, EngineClosedError, EngineError, QueueFullError
-from pagoda.engine.output_processor import merge
-from pagoda.engine.outputs import RequestOutput
-from pagoda.engine.protocol import Abort, CoreFailed, EngineRequest, Queued, StepReport
+from pagoda.engine.outputs import RequestOutput, merge
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import GrammarCompiler
 from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits, check_messages, make_request
@@ -51,13 +53,15 @@ class AsyncEngine:
 
     def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                      priority: int = 0, *, limits: RequestLimits = DEFAULT_LIMITS,
-                     default_max_tokens: int | None = None) -> EngineRequest:
+                     default_max_tokens: int | None = None, stream: bool = True) -> EngineRequest:
         """A prompt (text or token ids) and its params, checked against the model and tokenized;
-        raises InvalidRequestError naming the field. Tokenizing a long text takes a while: callers
-        on an event loop may run this in a thread and hand the result to generate()."""
+        raises InvalidRequestError naming the field. stream=False: the core sends each completion
+        once, whole, when it finishes (vLLM's RequestOutputKind.FINAL_ONLY). Tokenizing a long text
+        takes a while: callers on an event loop may run this in a thread and hand the result to
+        generate()."""
         return make_request(prompt, params, model=self._model, tokenizer=self.tokenizer, request_id=request_id,
                             priority=priority, limits=limits, default_max_tokens=default_max_tokens,
-                            grammars=self.grammars)
+                            stream=stream, grammars=self.grammars)
 
     async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -78,7 +82,15 @@ class AsyncEngine:
         queue = self._admit(req)
         return consume(req.request_id, queue, req.params.n, lambda: self.abort(req.request_id))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Ends the request in the core (its KV blocks freed on the next step). With `error`, its stream
+        raises that at once, even while a step runs, and gets nothing more (a time limit)."""
+        if error is not None:
+            with self._lock:
+                entry = self._queues.pop(request_id, None)
+                self._unfinished.pop(request_id, None)
+            if entry is not None:
+                hand_over([(*entry, error)])
         if not self._closed:
             self._transport.send(Abort(request_id))
 
@@ -140,7 +152,7 @@ class AsyncEngine:
 
     @property
     def core(self):
-        """The engine core (LLMEngine) with the in-thread transport, for tests and tools; None with
+        """The engine core (EngineCore) with the in-thread transport, for tests and tools; None with
         the child process."""
         return getattr(self._transport, "core", None)
 
@@ -276,3 +288,15 @@ async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIte
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # before the streams themselves are closed
+
+
+async def whole_outputs(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    """(which stream, delta) pairs folded into one whole output per completion, in order of (stream,
+    index); each completion must have finished."""
+    whole: dict[tuple[int, int], RequestOutput] = {}
+    async for i, out in outputs:
+        key = (i, out.index)
+        whole[key] = merge(whole[key], out) if key in whole else out
+    if not all(out.finished for out in whole.values()):
+        raise RuntimeError("the engine ended a request without a final output")
+    return [(i, out) for (i, _), out in sorted(whole.items())]

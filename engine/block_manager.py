@@ -53,7 +53,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block number
         self.in_flight: dict[int, Sequence] = {}  # block hash -> the sequence computing that block now
-        self._num_slots: dict[str, int] = {}  # req_id -> token slots reserved
+        self._num_slots: dict[str, int] = {}  # seq_id -> token slots reserved
         self._num_cached_free = 0  # free blocks that still hold a prefix
 
     @property
@@ -119,7 +119,7 @@ class BlockManager:
         return self.num_blocks_for(num_tokens) - len(hits) <= self.num_free_blocks - reclaimed
 
     def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
-        assert not seq.block_table, f"{seq.req_id} already holds blocks"
+        assert not seq.block_table, f"{seq.seq_id} already holds blocks"
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -155,12 +155,12 @@ class BlockManager:
                 del self.in_flight[h]
         seq.block_table = BlockTable()
         seq.num_registered_blocks = 0
-        self._num_slots.pop(seq.req_id, None)
+        self._num_slots.pop(seq.seq_id, None)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         missing = self.num_blocks_for(num_tokens) - len(seq.block_table)
         if missing > self.num_free_blocks:
-            raise RuntimeError(f"out of KV blocks: {seq.req_id} needs {missing}, {self.num_free_blocks} free")
+            raise RuntimeError(f"out of KV blocks: {seq.seq_id} needs {missing}, {self.num_free_blocks} free")
         for _ in range(missing):
             block_id, _ = self.free_block_ids.popitem(last=False)  # least recently used
             block = self.blocks[block_id]
@@ -171,7 +171,7 @@ class BlockManager:
                 self._num_cached_free -= 1
             block.ref_count = 1
             seq.block_table.append(block_id)
-        self._num_slots[seq.req_id] = max(self._num_slots.get(seq.req_id, 0), num_tokens)
+        self._num_slots[seq.seq_id] = max(self._num_slots.get(seq.seq_id, 0), num_tokens)
 
     def stats(self) -> BlockStats:
         used = len(self.blocks) - self.num_free_blocks

@@ -16,13 +16,16 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device):
+    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, block_size: int, device: torch.device,
+                 max_query_len: int = 1):
         self.model, self.block_size = model, block_size
+        self.max_query_len = max_query_len  # query tokens per sequence the graphs are captured for
         self.buckets = buckets(max_batch)
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_batch, **i64)
-        self.positions = torch.zeros(max_batch, **i64)
-        self.slot_mapping = torch.full((max_batch,), -1, **i64)
+        num_tokens = max_batch * max_query_len
+        self.input_ids = torch.zeros(num_tokens, **i64)
+        self.positions = torch.zeros(num_tokens, **i64)
+        self.slot_mapping = torch.full((num_tokens,), -1, **i64)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, **i32)
         self.context_lens = torch.zeros(max_batch, **i32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -37,7 +40,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:n], num_decode_tokens=n, decode_block_tables=self.block_tables[:n],
             decode_context_lens=self.context_lens[:n], prefill_block_tables=self.block_tables[:0],
-            prefill_query_start_loc=empty, prefill_context_lens=empty, max_query_len=1,
+            prefill_query_start_loc=empty, prefill_context_lens=empty, max_query_len=self.max_query_len,
             max_context_len=self.block_tables.shape[1] * self.block_size)
 
     def _forward(self, n: int) -> torch.Tensor:

@@ -131,7 +131,7 @@ def _byte_decoder() -> dict[str, int]:
 class IncrementalDetokenizer:
     """One sequence's text. Tokens are appended without decoding and decoded when the text is
     read, so a reader that looks only at the end pays once; text once read is never taken back
-    (a stop string cuts only text not yet handed out, see output_processor.sendable_end)."""
+    (a stop string cuts only text not yet handed out, see core_outputs.sendable_end)."""
 
     def __init__(self, vocab: TokenVocab, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.pieces = vocab.pieces if skip_special_tokens else vocab.pieces_with_special

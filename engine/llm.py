@@ -1,8 +1,8 @@
 """The offline API, in the habit of vLLM users: LLM(model).generate(prompts, params)."""
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.errors import EngineError, InvalidRequestError
-from pagoda.engine.llm_engine import LLMEngine
-from pagoda.engine.output_processor import full_output
+from pagoda.engine.core import EngineCore
+from pagoda.engine.outputs import full_output
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.validation import ModelLimits, make_request
@@ -13,7 +13,7 @@ class LLM:
         unknown = set(options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self.engine = EngineCore(EngineConfig(model=model, **options))
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         info = self.engine.model_info()

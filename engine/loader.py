@@ -7,6 +7,7 @@ import os
 import torch
 from safetensors import safe_open
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")  # one is enough
 CHECKPOINT_FILES = ("a checkpoint directory holds config.json, the tokenizer files and *.safetensors weights "
@@ -147,3 +148,23 @@ def _copy(owner, pname: str, param: torch.Tensor, shard: int | None, tensor: tor
     if target.shape != tensor.shape:
         raise ValueError(f"shape mismatch for {pname}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
     target.copy_(tensor)
+
+
+def device_of(name: str) -> torch.device:
+    """The configured device ("auto": CUDA when torch sees one)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def dtype_of(name: str, hf_config, device: torch.device) -> torch.dtype:
+    """The configured dtype ("auto": float32 on CPU, else the checkpoint's bf16/fp16)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    ckpt = _DTYPES.get(str(ckpt).removeprefix("torch."), None) if ckpt is not None else None
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16

@@ -1,47 +1,66 @@
 """Runs one scheduled step: builds the flat batch, runs the model, samples the next tokens."""
+import importlib.util
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from pagoda.engine import parallel
+from pagoda.engine.config import EngineConfig
 from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
+from pagoda.engine.loader import device_of, dtype_of, load_hf_config, load_weights
+from pagoda.engine.models import build_model
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.engine.sequence import Sequence
-from pagoda.engine.structured import fill_bitmasks
-from pagoda.engine.workers import step_inputs
+from pagoda.engine.workers import cpu_threads, step_inputs
+
+log = logging.getLogger("pagoda.engine")
 
 
 SCORED_ROWS = 256  # prompt rows whose logits are computed at once (prompt logprobs)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_kv_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, seed: int, vocab_size: int, attention_backend=None, workers=None,
-                 quantization: str | None = None):
-        self.model, self.device, self.block_size, self.vocab_size = model, device, block_size, vocab_size
-        self.workers = workers  # tensor parallelism: the other ranks (engine/workers.py), sent each step first
+    """The model on one rank, built the same way on every rank from the config (its `model` a local
+    checkpoint directory) and the rank: the model's shard, then (init_cache, once the driver has
+    resolved the config) the attention backend, the KV cache and quantized weights. The driver's
+    runner runs the steps; the other ranks' replay them (engine/workers.py)."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, group: parallel.TPGroup | None = None, *,
+                 workers=None, structured=None):
+        self.device = _place(config, rank)
+        hf_config = load_hf_config(config.model)
+        self.dtype = dtype_of(config.dtype, hf_config, self.device)
+        self.vocab_size = hf_config.vocab_size
+        self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group)
+        self.workers = workers  # tensor parallelism, on the driver: the other ranks, sent each step first
+        self.structured = structured  # StructuredOutputManager: the bitmasks of constrained rows
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
-        self.pads_decodes = attention_backend is None  # the torch path pads decode rows to a group's longest
-        fused = getattr(attention_backend, "fused_ops", None)
-        self.sampler = Sampler(seed, device, argmax=fused.argmax if fused is not None else None)
-        layers = [m for m in model.modules() if isinstance(m, Attention)]
-        kvh, hd = layers[0].num_kv_heads, layers[0].head_dim
-        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(2, len(layers), num_kv_blocks, block_size, kvh, hd, dtype=dtype, device=device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            if attention_backend is not None:
-                layer.backend = attention_backend
-                views = getattr(attention_backend, "cache_views", None)  # a backend's own block layout
-                if views is not None:
-                    layer.k_cache, layer.v_cache = views(layer.k_cache, layer.v_cache)
-        quantize_model_(model, quantization)
+        self.kv_cache: torch.Tensor | None = None  # set by init_cache
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        per_token = 2 * sum(m.num_kv_heads * m.head_dim for m in layers)
+        return per_token * block_size * torch.empty((), dtype=self.dtype).element_size()
+
+    def init_cache(self, config: EngineConfig) -> None:
+        """With the resolved config: the attention backend, the sampler, the KV cache, quantization."""
+        model, device, dtype = self.model, self.device, self.dtype
+        self.block_size = config.block_size
+        head_dim = next(m.head_dim for m in model.modules() if hasattr(m, "head_dim"))
+        backend = self.attention_backend = attention_backend(config.attention_backend, device, head_dim)
+        self.pads_decodes = backend is None  # the torch path pads decode rows to a group's longest
+        fused = getattr(backend, "fused_ops", None)
+        self.sampler = Sampler(config.seed, device, argmax=fused.argmax if fused is not None else None)
+        self._allocate_kv_cache(config.num_kv_blocks, backend)
+        quantize_model_(model, config.quantization)
         if device.type == "cpu":
             _column_major_linears(model)
         # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
@@ -51,11 +70,23 @@ class ModelRunner:
                 if hasattr(type(m), "fused_ops"):
                     m.fused_ops = fused
 
-    @staticmethod
-    def kv_bytes_per_block(hf_model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
-        layers = [m for m in hf_model.modules() if isinstance(m, Attention)]
-        per_token = 2 * sum(m.num_kv_heads * m.head_dim for m in layers)
-        return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    @property
+    def attention_backend_name(self) -> str:
+        return getattr(self.attention_backend, "__name__", "torch SDPA").rsplit(".", 1)[-1]
+
+    def _allocate_kv_cache(self, num_blocks: int, backend) -> None:
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        kvh, hd = layers[0].num_kv_heads, layers[0].head_dim
+        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, kvh, hd, dtype=self.dtype,
+                                    device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            if backend is not None:
+                layer.backend = backend
+                views = getattr(backend, "cache_views", None)  # a backend's own block layout
+                if views is not None:
+                    layer.k_cache, layer.v_cache = views(layer.k_cache, layer.v_cache)
 
     def use_cuda_graphs(self, max_batch: int, max_model_len: int) -> bool:
         """Capture decode graphs (CUDA); False, with a warning, if they could not be used."""
@@ -94,7 +125,7 @@ class ModelRunner:
         """The model over the step's tokens, on every rank: the other ranks get the step first, with
         the rows whose logits will be asked for (compute_logits is collective), in that order."""
         if self.workers is not None:
-            self.workers.send(step_inputs(input_ids, positions, meta, logits_rows))
+            self.workers.call("replay", step_inputs(input_ids, positions, meta, logits_rows), wait=False)
         return self.model(input_ids, positions, meta)  # [num_tokens, hidden]
 
     @torch.inference_mode()
@@ -122,8 +153,8 @@ class ModelRunner:
 
     def _run(self, sched: SchedulerOutput) -> "StepResult":
         input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
-        seqs, sampling = sched.seqs, sched.sampling
-        sample_seqs = seqs if all(sampling) else [s for s, x in zip(seqs, sampling) if x]
+        seqs, num_sampled = sched.seqs, sched.num_sampled
+        sample_seqs = seqs if all(num_sampled) else sched.sampling_seqs
         scored = _prompt_rows(sched)  # prompt positions whose logprobs were asked for (rarely any)
         graphs, prompt_lps = self.decode_graphs, []
         if not sample_seqs and not scored:
@@ -139,13 +170,12 @@ class ModelRunner:
                           for seq, a, b, targets in scored]
             if not sample_seqs:
                 return StepResult([], None, prompt_lps)
-            logits = self._logits(hidden, logits_idx)
+            logits = self._logits(hidden, logits_idx)  # [num_sampled_rows, vocab]
         if all(s.params.is_plain_greedy and s.num_generated_tokens >= s.params.min_tokens for s in sample_seqs):
-            return StepResult(self.sampler.argmax(logits.float()).tolist(), None, prompt_lps)  # the one sync
+            return StepResult(_token_lists(self.sampler.argmax(logits.float())), None, prompt_lps)
         tokens, lp = self.sampler(logits, self._sampling_tensors(sample_seqs))
-        if lp is None:
-            return StepResult(tokens.tolist(), None, prompt_lps)  # the step's one host-device sync
-        return StepResult(tokens.tolist(), _logprob_lists(lp, tokens, sample_seqs), prompt_lps)
+        lps = None if lp is None else _logprob_lists(lp, tokens, sample_seqs)
+        return StepResult(_token_lists(tokens), lps, prompt_lps)
 
     def _scored_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int,
                          rows: int = SCORED_ROWS) -> list[TokenLogprob]:
@@ -168,40 +198,34 @@ class ModelRunner:
         return out
 
     def _prepare_inputs(self, sched: SchedulerOutput):
+        """The step's flat batch on the device: input_ids, positions [num_tokens], attention
+        metadata, and the rows whose logits are sampled (None: every row)."""
         seqs, bs = sched.seqs, self.block_size
-        # one pass over the sequences (this runs every step; numpy does the rest)
-        starts, ids, tables = [], [], []
-        for s, n in zip(seqs, sched.num_new_tokens):
-            a = s.num_computed_tokens
-            starts.append(a)
-            ids += s.token_ids[a:a + n]
-            tables.append(s.block_table)
-        counts_np = np.array(sched.num_new_tokens, dtype=np.int64)
-        starts = np.array(starts, dtype=np.int64)
-        ends = starts + counts_np
-        num_tokens = len(ids)
+        input_ids, starts, tables = _gather(sched)
+        counts = np.array(sched.num_new_tokens, dtype=np.int64)
+        num_sampled = np.array(sched.num_sampled, dtype=np.int64)
+        ends = starts + counts
+        num_tokens = len(input_ids)
         # positions: each seq's range [start, end), flattened
         if num_tokens == len(seqs):  # one token per sequence
             seq_of_token, positions = np.arange(num_tokens), starts
         else:
-            seq_of_token = np.repeat(np.arange(len(seqs)), counts_np)
-            offsets = np.cumsum(counts_np) - counts_np
+            seq_of_token = np.repeat(np.arange(len(seqs)), counts)
+            offsets = np.cumsum(counts) - counts
             positions = starts[seq_of_token] + np.arange(num_tokens) - offsets[seq_of_token]
-        input_ids = np.array(ids, dtype=np.int64)
-        # block tables: [num_seqs, widest], padded with -1
-        tables = np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        num_decodes = int(np.sum(counts_np == 1))
-        cu = np.concatenate([[0], np.cumsum(counts_np[num_decodes:])]).astype(np.int32)
-        samples = np.array(sched.sampling, dtype=bool)
-        # the rows to sample from; None: every row (a decode step), no gather needed
-        logits_idx = None if num_tokens == len(seqs) and samples.all() else (np.cumsum(counts_np) - 1)[samples]
-        lens = ends.astype(np.int32)
+        # single-token queries (the scheduler puts them first) take the decode path; longer ones
+        # (prefill chunks, several query tokens) the prefill path, which attends over a cached context too
+        num_decodes = int(np.sum(counts == 1))
+        logits_idx = None if num_tokens == len(seqs) and num_sampled.all() else _sample_rows(counts, num_sampled)
+        meta = self._attention_metadata(slots, tables, counts, ends, num_decodes)
+        logits_idx = None if logits_idx is None else self._to_device(logits_idx, torch.int64)
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, logits_idx
 
-        def t(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
-
-        meta = AttentionMetadata(
+    def _attention_metadata(self, slots, tables, counts, ends, num_decodes: int) -> AttentionMetadata:
+        t, lens = self._to_device, ends.astype(np.int32)
+        cu = np.concatenate([[0], np.cumsum(counts[num_decodes:])]).astype(np.int32)
+        return AttentionMetadata(
             slot_mapping=t(slots, torch.int64),
             num_decode_tokens=num_decodes,
             decode_block_tables=t(tables[:num_decodes], torch.int32),
@@ -209,12 +233,13 @@ class ModelRunner:
             prefill_block_tables=t(tables[num_decodes:], torch.int32),
             prefill_query_start_loc=t(cu, torch.int32),
             prefill_context_lens=t(lens[num_decodes:], torch.int32),
-            max_query_len=int(counts_np.max()),
+            max_query_len=int(counts.max()),
             max_context_len=int(ends.max()),
-            decode_groups=_decode_groups(ends[:num_decodes], bs) if self.pads_decodes else (),
+            decode_groups=_decode_groups(ends[:num_decodes], self.block_size) if self.pads_decodes else (),
         )
-        logits_idx = None if logits_idx is None else t(logits_idx, torch.int64)
-        return t(input_ids, torch.int64), t(positions, torch.int64), meta, logits_idx
+
+    def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]
@@ -266,11 +291,10 @@ class ModelRunner:
 
     def _grammar_masks(self, seqs: list[Sequence]):
         """Structured outputs: (rows, their allowed-token bitmasks), all filled in one parallel call."""
-        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
-        if not rows:
+        masks = None if self.structured is None else self.structured.bitmasks(seqs, self.device.type == "cuda")
+        if masks is None:
             return None
-        # bits: int32 [R, ceil(vocab / 32)]
-        bits = fill_bitmasks([seqs[i].matcher for i in rows], self.vocab_size, self.device.type == "cuda")
+        rows, bits = masks  # bits: int32 [len(rows), ceil(vocab / 32)]
         rows = None if len(rows) == len(seqs) else torch.tensor(rows, device=self.device)
         return rows, bits.to(self.device, non_blocking=True)
 
@@ -317,9 +341,36 @@ def _decode_groups(context_lens: np.ndarray, block_size: int, num_groups: int = 
 
 @dataclass
 class StepResult:
-    tokens: list[int]  # one per sampling sequence, in the step's order
+    tokens: list[list[int]]  # per sampling sequence, in the step's order: its new tokens (one today)
     logprobs: list | None = None  # per sampling sequence: (chosen logprob, top pairs) or None
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)  # new this step
+
+
+def _gather(sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The one pass over the step's sequences (numpy does the rest): the new tokens' ids, flat;
+    each seq's first new position; block tables [num_seqs, widest], padded with -1."""
+    starts, ids, tables = [], [], []
+    for s, n in zip(sched.seqs, sched.num_new_tokens):
+        a = s.num_computed_tokens
+        starts.append(a)
+        ids += s.token_ids[a:a + n]
+        tables.append(s.block_table)
+    tables = np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
+    return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), tables
+
+
+def _sample_rows(num_query: np.ndarray, num_sampled: np.ndarray) -> np.ndarray:
+    """The flat batch's rows whose logits are sampled: the last num_sampled[i] query rows of each seq."""
+    ends = np.cumsum(num_query)
+    first = np.repeat(ends - num_sampled, num_sampled)  # per sampled row: its seq's first sampled row
+    offset = np.arange(int(num_sampled.sum())) - np.repeat(np.cumsum(num_sampled) - num_sampled, num_sampled)
+    return first + offset
+
+
+def _token_lists(tokens: torch.Tensor) -> list[list[int]]:
+    """The sampled tokens, a list per sampling sequence (one row each today): the step's one
+    host-device sync."""
+    return tokens[:, None].tolist()
 
 
 def _prompt_rows(sched: SchedulerOutput) -> list[tuple[Sequence, int, int, list[int]]]:
@@ -362,3 +413,58 @@ def _logprob_lists(lp, tokens: torch.Tensor, seqs: list[Sequence]):
         pairs = list(zip(top_ids[i][:k], top_vals[i][:k])) if k and top_ids else []
         out.append((chosen[i], pairs))
     return out
+
+
+def _place(config: EngineConfig, rank: int) -> torch.device:
+    """This rank's device (rank r of a CUDA tensor-parallel group: GPU r), and its CPU threads."""
+    device = device_of(config.device)
+    if device.type == "cuda" and rank > 0:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    elif device.type == "cpu" and (config.cpu_threads is not None or config.tensor_parallel_size > 1):
+        torch.set_num_threads(cpu_threads(config))
+    return device
+
+
+def _load_model(hf_config, path: str, seed: int, dtype: torch.dtype, device: torch.device,
+                group: parallel.TPGroup | None) -> torch.nn.Module:
+    """The model (this rank's shard under tensor parallelism) with the checkpoint's weights."""
+    torch.manual_seed(seed)
+    parallel.use_group(group)
+    try:
+        with torch.device(device):
+            model = build_model(hf_config).to(dtype)
+    finally:
+        parallel.use_group(None)
+    load_weights(model, path)
+    return model.eval()
+
+
+def attention_backend(name: str, device: torch.device, head_dim: int):
+    """The attention module for `name` on `device` that can run this model's heads, or None for the
+    torch (SDPA) implementation. Refused here, at load, not on every request."""
+    if name == "torch" or (name == "auto" and device.type not in ("cuda", "cpu")):
+        return None
+    explicit = name != "auto"
+    if not explicit:
+        name = "triton" if device.type == "cuda" else "cpu"
+    try:
+        if name == "triton":
+            if importlib.util.find_spec("triton") is None:  # PyPI's CUDA torch brings it; a CPU install has none
+                raise ImportError("triton is not installed (pip install triton)")
+            from pagoda.engine.layers import triton_attention as backend
+        else:
+            from pagoda.engine.layers import cpu_attention as backend
+    except ImportError as e:
+        ok, why = False, str(e)
+    else:
+        ok, why = backend.is_available(device)
+        unsupported = getattr(backend, "unsupported", lambda head_dim: None)(head_dim)
+        if ok and unsupported:
+            ok, why = False, f"it cannot run this model: {unsupported}"
+    if ok:
+        return backend
+    if explicit:
+        raise ValueError(f"attention_backend {name!r} is unavailable: {why}")
+    log.warning("%s attention unavailable (%s); using the torch implementation", name, why)
+    return None

@@ -1,5 +1,7 @@
 """What the engine hands back to its callers."""
+import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass
@@ -45,6 +47,37 @@ class RequestOutput:
     def outputs(self) -> list["RequestOutput"]:
         """The n completions (vLLM's name for them)."""
         return self.choices or [self]
+
+
+class FinishNames(NamedTuple):
+    openai: str  # RequestOutput.finish_reason, OpenAI's (vLLM's) word; the HTTP door's finish_reason
+    grpc: str  # pagoda.v1.FinishReason: FINISH_REASON_ + this
+
+
+# The one map from the engine's reasons for ending a completion (RequestOutput.stop_reason,
+# engine/sequence.py FinishReason) to each door's names.
+FINISH_REASONS = {
+    "eos": FinishNames("stop", "EOS"),
+    "stop_token": FinishNames("stop", "STOP_TOKEN"),
+    "stop_string": FinishNames("stop", "STOP_STRING"),
+    "grammar": FinishNames("stop", "GRAMMAR"),
+    "length": FinishNames("length", "LENGTH"),
+    "abort": FinishNames("abort", "ABORTED"),
+    "error": FinishNames("error", "UNSPECIFIED"),
+}
+
+
+def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one completion as one: b's cumulative counts and state."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=logprobs,
+                               prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
+
+
+def full_output(prompt_token_ids: list[int], choices: list[RequestOutput]) -> RequestOutput:
+    """A finished request: choice 0's fields at the top, every choice (by index) in .choices."""
+    choices = sorted(choices, key=lambda c: c.index)
+    return dataclasses.replace(choices[0], choices=choices, prompt_token_ids=list(prompt_token_ids))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,5 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption."""
 import bisect
-import functools
 import time
 from dataclasses import dataclass, field
 
@@ -12,7 +11,8 @@ from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
 class SchedulerOutput:
     """What one step runs: the runner reads token ids, positions and block tables from these."""
     seqs: list[Sequence] = field(default_factory=list)  # single-token queries first, then longer
-    num_new_tokens: list[int] = field(default_factory=list)  # tokens each seq computes this step
+    num_new_tokens: list[int] = field(default_factory=list)  # per seq: tokens it computes this step
+    num_sampled: list[int] = field(default_factory=list)  # per seq: tokens it samples this step (0 or 1 today)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -23,21 +23,21 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    @functools.cached_property
-    def sampling(self) -> list[bool]:
-        """Per seq: whether it reaches its last token this step, and so samples the next one
-        (worked out once, on first use, before postprocess advances the counts). A prompt scored
-        with max_tokens 0 samples nothing."""
-        return [s.num_computed_tokens + n == len(s.token_ids) and s.max_tokens > 0
-                for s, n in zip(self.seqs, self.num_new_tokens)]
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that sample, in the step's order (StepResult.tokens has a row for each)."""
+        return [s for s, k in zip(self.seqs, self.num_sampled) if k]
 
-    def samples(self, i: int) -> bool:
-        return self.sampling[i]
+
+def num_to_sample(seq: Sequence, num_new_tokens: int) -> int:
+    """1 when the step reaches seq's last token, so it samples the next one; a prompt scored with
+    max_tokens 0 samples nothing."""
+    return int(seq.num_computed_tokens + num_new_tokens == len(seq.token_ids) and seq.max_tokens > 0)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, structured=None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -47,6 +47,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_seen = 0  # prompt tokens admitted, for the prefix-cache hit rate
         self.num_prompt_tokens_cached = 0  # of those, found in the prefix cache
+        self.num_prompt_tokens_processed = 0  # prompt tokens run through the model (recomputes included)
+        self.num_generated_tokens = 0
+        self.structured = structured  # StructuredOutputManager: a constrained sequence's matcher takes each token
 
     def add(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
@@ -63,6 +66,7 @@ class Scheduler:
         order = sorted(range(len(keys)), key=keys.__getitem__)
         out.seqs = [out.seqs[i] for i in order]
         out.num_new_tokens = [out.num_new_tokens[i] for i in order]
+        out.num_sampled = [num_to_sample(s, n) for s, n in zip(out.seqs, out.num_new_tokens)]
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -120,28 +124,40 @@ class Scheduler:
         out.preempted.append(seq)
         self.add(seq)
 
-    def postprocess(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """Advance computed counts, append sampled tokens (one per sampling seq, in order),
-        finish sequences that stop. Returns the sequences that got a token."""
-        updated, j = [], 0
-        for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
+    def update_from_output(self, out: SchedulerOutput, tokens: list[list[int]]) -> list[Sequence]:
+        """Advance computed counts, append each sampling seq's new tokens (a list per seq, in order),
+        finish sequences that stop. Returns the sequences that got tokens or finished."""
+        changed, rows = [], iter(tokens)
+        for seq, n, k in zip(out.seqs, out.num_new_tokens, out.num_sampled):
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens_processed += n
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
-            if not samples:
-                if seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:  # a prompt scored
-                    self.finish(seq, FinishReason.LENGTH)
-                continue
-            seq.token_ids.append(sampled[j])
-            j += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = time.monotonic()
-            updated.append(seq)
-            reason = check_stop(seq, self.max_model_len)
-            if reason is not None:
-                self.finish(seq, reason)
-        return updated
+            if k:
+                self._append(seq, next(rows))
+                changed.append(seq)
+            elif seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:  # a prompt scored
+                self.finish(seq, FinishReason.LENGTH)
+                changed.append(seq)
+        return changed
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append tokens one by one; the first that stops the sequence is its last (the rest are dropped)."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        for token in tokens:
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            reason, error = check_stop(seq, self.max_model_len), None
+            if reason is None and seq.matcher is not None:
+                reason, error = self.structured.accept(seq, token)
+            if reason is not None:
+                self.finish(seq, reason, error)
+                return
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """The one place a sequence finishes: out of the queues, its blocks freed; `error` says why
+        when reason is ERROR."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.RUNNING:
@@ -151,10 +167,12 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.error = error
 
 
 def check_stop(seq: Sequence, max_model_len: int) -> FinishReason | None:
-    """Token-level stops plus stop strings (through the sequence's detokenizer)."""
+    """Whether seq's last token stops it: token-level stops plus stop strings (through the sequence's
+    detokenizer, which takes the token here)."""
     params, token, detokenizer = seq.params, seq.token_ids[-1], seq.detokenizer
     if detokenizer is not None:
         detokenizer.append(token)

@@ -21,14 +21,7 @@ class FinishReason(Enum):
     STOP_STRING = "stop_string"
     GRAMMAR = "grammar"  # the structured output is complete: its grammar allows nothing more
     ABORT = "abort"
-    ERROR = "error"
-
-    @property
-    def public(self) -> str:
-        """The vLLM/OpenAI-style reason: stop, length, abort or error."""
-        if self in (FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.STOP_STRING, FinishReason.GRAMMAR):
-            return "stop"
-        return self.value
+    ERROR = "error"  # each door's name for these: engine/outputs.py FINISH_REASONS
 
 
 _arrival = itertools.count()
@@ -44,20 +37,23 @@ class BlockTable(list):
 
 
 class Sequence:
-    def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, priority: int = 0, eos_token_ids: frozenset[int] = frozenset(),
-                 request_id: str | None = None, index: int = 0, stream: bool = True):
-        self.req_id = req_id  # unique per sequence
-        self.request_id = request_id or req_id  # the request it answers (n > 1: several sequences)
+    """One completion of a request (a request with n > 1 has n sequences, index 0..n-1)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, index: int = 0,
+                 priority: int = 0, eos_token_ids: frozenset[int] = frozenset(), stream: bool = True,
+                 arrival_time: float | None = None, bad_words: list[list[int]] | None = None,
+                 detokenizer=None, generator=None, matcher=None):
+        self.request_id = request_id  # the request it answers
         self.index = index  # which of the request's n completions
+        self.seq_id = f"{request_id}#{index}"  # unique per sequence
         self.token_ids = list(prompt_token_ids)  # prompt, then generated
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.max_tokens = max_tokens  # resolved: never None
+        self.max_tokens: int = params.max_tokens  # resolved by make_request: never None here
         self.priority = priority
         self.eos_token_ids = eos_token_ids
         self.arrival = next(_arrival)
-        self.arrival_time = time.monotonic()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None  # first admitted into the running batch
         self.first_token_time: float | None = None
         self.status = SequenceStatus.WAITING
@@ -70,11 +66,11 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
         self.logprobs: list = []
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1, 2, ... (the first has no context)
-        self.bad_words: list[list[int]] = []  # token ids of the words it must not generate
-        self.matcher = None  # structured output: an llguidance matcher, advanced by each generated token
-        self.detokenizer = None  # set by the engine
-        self.generator = None  # torch.Generator when params.seed is set
-        self.stream = stream  # outputs every step, or only when finished (output_processor)
+        self.bad_words = bad_words or []  # token ids of the words it must not generate
+        self.matcher = matcher  # structured output: an llguidance matcher (engine/structured.py), once built
+        self.detokenizer = detokenizer  # IncrementalDetokenizer: stop strings and the output's text
+        self.generator = generator  # torch.Generator when params.seed is set
+        self.stream = stream  # outputs every step, or only when finished (engine/core_outputs.py)
         self.num_tokens_sent = 0  # generated tokens already in an output
         self.num_text_sent = 0  # characters of the text already in an output
 
@@ -108,5 +104,5 @@ class Sequence:
         return (self.priority, self.arrival)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.req_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+        return (f"Sequence({self.seq_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table})")

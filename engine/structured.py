@@ -235,3 +235,74 @@ def fill_bitmasks(matchers: list, vocab_size: int, pin_memory: bool = False):
     _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bits.data_ptr(), words * 4,
                                       len(matchers))
     return bits
+
+
+class StructuredOutputManager:
+    """The engine core's one home for structured outputs: compiling (the GrammarCompiler), each
+    sequence's matcher (copied from its grammar's template, built off the engine loop), the bitmasks
+    the runner's sampler applies, and advancing (or rolling back) matchers with generated tokens."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.vocab_size = vocab_size
+        self.compiling: list[tuple[concurrent.futures.Future, list]] = []  # (template, its sequences)
+
+    def add(self, seqs: list, grammar: str) -> None:
+        """Sequences that wait for their grammar's template before they are scheduled."""
+        self.compiling.append((self.compiler.template(grammar), seqs))
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(seqs) for _, seqs in self.compiling)
+
+    def take_ready(self) -> tuple[list, list[tuple[object, str]]]:
+        """Sequences whose template is built, each given its own matcher; and (sequence, error) of
+        those whose grammar failed to build. Sequences finished meanwhile (aborted) are dropped."""
+        ready, failed, still = [], [], []
+        for future, seqs in self.compiling:
+            if all(s.is_finished for s in seqs):
+                continue
+            if not future.done():
+                still.append((future, seqs))
+                continue
+            error = future.exception()
+            for seq in seqs:
+                if error is not None:
+                    failed.append((seq, str(error)))
+                else:
+                    seq.matcher = future.result().deep_copy()
+                    ready.append(seq)
+        self.compiling = still
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Until a template is built (or timeout seconds): nothing else may be runnable meanwhile."""
+        concurrent.futures.wait([f for f, _ in self.compiling], timeout, concurrent.futures.FIRST_COMPLETED)
+
+    def bitmasks(self, seqs: list, pin_memory: bool = False):
+        """(rows, bits) for the constrained rows among seqs, bits int32 [rows, ceil(vocab / 32)]
+        filled in one parallel call; None when no row is constrained."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not rows:
+            return None
+        return rows, fill_bitmasks([seqs[i].matcher for i in rows], self.vocab_size, pin_memory)
+
+    def accept(self, seq, token: int):
+        """seq's matcher takes a generated token: (FinishReason, error) when that ends the sequence
+        (the grammar is complete, or refused a token its mask allowed: a bug), else (None, None)."""
+        from pagoda.engine.sequence import FinishReason
+
+        m = seq.matcher
+        if not m.consume_token(token):
+            return FinishReason.ERROR, f"structured output: {m.get_error()}"
+        if m.is_stopped():
+            return FinishReason.GRAMMAR, None
+        return None, None
+
+    def rollback(self, seq, num_tokens: int) -> None:
+        """Undo seq's matcher's last num_tokens tokens (rejected speculative tokens)."""
+        if seq.matcher is not None and num_tokens and not seq.matcher.rollback(num_tokens):
+            raise RuntimeError(f"structured output: rollback failed: {seq.matcher.get_error()}")
+
+    def close(self) -> None:
+        self.compiler.close()

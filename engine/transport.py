@@ -6,7 +6,7 @@ the time made offline generation 19% slower; another process busy 100% cost noth
 process owns the model and steps it; the parent keeps the tokenizer (requests are tokenized and
 checked before they are sent) and the per-request queues.
 
-Both transports run the same loop (run_core) over the same records (engine/protocol.py): commands
+Both transports run the same loop (run_core) over the same records (engine/core_io.py): commands
 in, reports out. A report reaches the front-end through `on_report`, called in the core's thread
 (in-thread) or in a receiver thread that reads the child's pipe.
 """
@@ -20,10 +20,10 @@ import threading
 from logging.handlers import QueueHandler, QueueListener
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.core_io import (Abort, Closed, CoreFailed, CoreReady, EngineRequest, Queued, Shutdown,
+                                   StepReport)
+from pagoda.engine.core_outputs import failed_output
 from pagoda.engine.errors import EngineDeadError
-from pagoda.engine.output_processor import failed_output
-from pagoda.engine.protocol import (Abort, Closed, CoreFailed, CoreReady, EngineRequest, Queued, Shutdown,
-                                    StepReport)
 
 log = logging.getLogger("pagoda.engine")
 
@@ -49,24 +49,21 @@ def run_core(core, commands, report) -> None:
                 outputs += core.abort(cmd.request_id)
         if not (outputs or num_added or core.has_work()):
             continue  # woke only to check the ranks
-        reported = False
-
-        def report_queue():
-            # Requests taken in now count in the scheduler's waiting list, and those this step
-            # admitted no longer do: the front-end's queue limit sees that before the model runs.
-            nonlocal reported
-            if num_added and not reported:
-                reported = True
-                report(Queued(core.num_waiting, num_added))
-
         try:
-            outputs += core.step(report_queue) if core.has_work() else []
+            scheduled = core.schedule() if core.has_work() else None
+            # Requests taken in now count in the core's waiting list, and those this step admitted
+            # no longer do: the front-end's queue limit sees that before the model runs.
+            if num_added:
+                report(Queued(core.num_waiting, num_added))
+                num_added = 0
+            outputs += core.execute(*scheduled) if scheduled is not None else []
         except EngineDeadError:
             raise
         except Exception:  # a bug outside the model run; never let the loop die
             log.exception("engine step crashed")
             outputs += core.fail_all("internal engine error")
-        report_queue()
+        if num_added:
+            report(Queued(core.num_waiting, num_added))
         report(StepReport(outputs, core.stats()))
 
 
@@ -87,9 +84,9 @@ class ThreadTransport:
     """The core in a thread of this process; it calls on_report itself."""
 
     def __init__(self, config: EngineConfig):
-        from pagoda.engine.llm_engine import LLMEngine
+        from pagoda.engine.core import EngineCore
 
-        self.core = LLMEngine(config)
+        self.core = EngineCore(config)
         self.ready = ready_report(self.core)
         self._commands = _Inbox()
         self._thread: threading.Thread | None = None
@@ -222,10 +219,10 @@ def _child_main(config: EngineConfig, conn, logs, log_level: int) -> None:
     root = logging.getLogger()
     root.handlers[:] = [QueueHandler(logs)]
     root.setLevel(log_level)
-    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.core import EngineCore
 
     try:
-        core = LLMEngine(config)
+        core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(CoreFailed(e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
         return

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.protocol import EngineRequest
+from pagoda.engine.core_io import EngineRequest
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20

@@ -1,6 +1,7 @@
 """Tensor-parallel ranks: the engine core is rank 0 (the driver: scheduler, block manager, sampler);
-it starts ranks 1..N-1 as processes that each build their shard of the model and their KV cache,
-then run every step the driver sends them.
+it starts ranks 1..N-1 as processes that each build the same ModelRunner from the config and their
+rank (their shard of the model, then their KV cache), then run what the driver calls through one
+generic Workers.call(method, *args): each step, `replay`.
 
 A step goes to each worker once, before the driver's own forward, as one StepInputs record over a
 local socket (the inputs as numpy arrays, a few KB: 41 us a round trip, against 812 us as a gloo
@@ -48,15 +49,6 @@ class StepInputs:
     logits_rows: list
 
 
-@dataclass
-class WorkerSetup:
-    """The driver's resolved configuration, sent once every rank has loaded its shard."""
-    num_kv_blocks: int
-    block_size: int
-    dtype: str
-    max_model_len: int
-
-
 def to_host(t: torch.Tensor | None):
     return None if t is None else t.cpu().numpy()
 
@@ -75,7 +67,8 @@ class Workers:
     interpreter: nothing of the caller's __main__ is re-run), connected back over an authenticated
     local socket."""
 
-    def __init__(self, config, path: str, device: torch.device):
+    def __init__(self, config, device: torch.device):
+        """config.model is the checkpoint's local directory; each rank builds its ModelRunner from it."""
         size = config.tensor_parallel_size
         if device.type == "cuda" and size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} visible CUDA "
@@ -96,20 +89,33 @@ class Workers:
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
         for rank, conn in enumerate(self.conns, 1):
-            conn.send((config, path, self.store.port))
+            conn.send((config, self.store.port))
         self.group = parallel.TPGroup(0, size, process_group(self.store, 0, size, device, config.tp_timeout_s))
 
-    def setup(self, setup: WorkerSetup) -> None:
-        """Send the resolved configuration; wait until every rank has its KV cache."""
+    def call(self, method: str, *args, wait: bool = True) -> list:
+        """Every other rank runs its ModelRunner's method(*args) (the driver runs its own); with wait,
+        their results in rank order. A step is sent without waiting: the collectives keep the ranks
+        in step, and a reply would cost a round trip per step."""
+        if not wait:
+            self.check()
         for conn in self.conns:
-            conn.send(setup)
-        for rank, conn in enumerate(self.conns, 1):
             try:
-                msg = conn.recv()
-            except EOFError:
-                msg = f"exited while loading (code {self.procs[rank - 1].wait(5)})"
-            if msg != "ready":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed: {msg}")
+                conn.send((method, args, wait))
+            except (OSError, ValueError):
+                if wait:
+                    continue  # its reply says why (or that it exited)
+                self.check()
+                raise EngineDeadError("a tensor-parallel rank is gone") from None
+        return [self._reply(rank, conn) for rank, conn in enumerate(self.conns, 1)] if wait else []
+
+    def _reply(self, rank: int, conn):
+        try:
+            ok, value = conn.recv()
+        except EOFError:
+            ok, value = False, f"exited (code {self.procs[rank - 1].wait(5)})"
+        if not ok:
+            raise RuntimeError(f"tensor-parallel rank {rank} failed: {value}")
+        return value
 
     def check(self, wait: float = 0.0) -> None:
         """EngineDeadError if a rank has exited (within `wait` seconds)."""
@@ -121,15 +127,6 @@ class Workers:
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
-
-    def send(self, step: StepInputs) -> None:
-        self.check()
-        for conn in self.conns:
-            try:
-                conn.send(step)
-            except (OSError, ValueError):
-                self.check()
-                raise EngineDeadError("a tensor-parallel rank is gone") from None
 
     def close(self) -> None:
         self._finalizer()
@@ -182,8 +179,8 @@ def step_inputs(input_ids, positions, meta, logits_rows) -> StepInputs:
 
 
 def main(argv=None) -> None:
-    """`python -m pagoda.engine.workers RANK HOST:PORT`: a rank's process. Its shard, its KV cache, then
-    the driver's steps until told to stop."""
+    """`python -m pagoda.engine.workers RANK HOST:PORT`: a rank's process. Its ModelRunner (built as the
+    driver's is), then the driver's calls until told to stop."""
     argv = sys.argv[1:] if argv is None else argv
     rank, (host, port) = int(argv[0]), argv[1].rsplit(":", 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's to handle; a dead driver ends the pipe
@@ -192,62 +189,51 @@ def main(argv=None) -> None:
     conn = multiprocessing.connection.Client((host, int(port)), authkey=bytes.fromhex(os.environ["PAGODA_TP_AUTHKEY"]))
     conn.send(rank)
     try:
-        config, path, store_port = conn.recv()
-        runner = _load(config, path, rank, store_port, conn)
+        config, store_port = conn.recv()
+        store, runner = _load(config, rank, store_port)  # the store lives as long as the group
     except (EOFError, OSError):
         return  # the driver is gone
     except Exception as e:  # noqa: BLE001 - told to the driver, which fails the engine's start
         log.exception("loading failed")
-        conn.send(f"{type(e).__name__}: {e}")
+        conn.send((False, f"{type(e).__name__}: {e}"))
         return
-    conn.send("ready")
+    _serve(runner, conn)
+
+
+def _serve(runner, conn) -> None:
     while True:
         try:
-            step = conn.recv()
+            msg = conn.recv()
         except (EOFError, OSError):
             return  # the driver is gone
-        if step is None:
+        if msg is None:
             return
+        method, args, wait = msg
         try:
-            runner.replay(step)
-        except Exception:  # noqa: BLE001 - the ranks are out of step: end; the driver fails the engine
-            log.exception("step failed")
-            os._exit(1)
+            result = getattr(runner, method)(*args)
+        except Exception as e:  # noqa: BLE001
+            log.exception("%s failed", method)
+            if not wait:  # a step: the ranks are out of step; end, and the driver fails the engine
+                os._exit(1)
+            conn.send((False, f"{type(e).__name__}: {e}"))
+            return
+        if wait:
+            conn.send((True, result))
 
 
-def _load(config, path: str, rank: int, port: int, conn):
-    from pagoda.engine.llm_engine import _attention_backend, _device, _dtype
-    from pagoda.engine.loader import load_hf_config, load_weights
+def _load(config, rank: int, port: int):
+    from pagoda.engine.loader import device_of
     from pagoda.engine.model_runner import ModelRunner
-    from pagoda.engine.models import build_model
 
-    device = _device(config.device)
+    size = config.tensor_parallel_size
+    store = torch.distributed.TCPStore("127.0.0.1", port, size, False,
+                                       timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    device = device_of(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(cpu_threads(config))
-    hf_config = load_hf_config(path)
-    store = torch.distributed.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False,
-                                       timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-    group = parallel.TPGroup(rank, config.tensor_parallel_size,
-                             process_group(store, rank, config.tensor_parallel_size, device, config.tp_timeout_s))
-    dtype = _dtype(config.dtype, hf_config, device)
-    torch.manual_seed(config.seed)
-    parallel.use_group(group)
-    try:
-        with torch.device(device):
-            model = build_model(hf_config).to(dtype)
-    finally:
-        parallel.use_group(None)
-    load_weights(model, path)
-    setup: WorkerSetup = conn.recv()
-    head_dim = next(m.head_dim for m in model.modules() if hasattr(m, "head_dim"))
-    backend = _attention_backend(config.attention_backend, device, head_dim)
-    runner = ModelRunner(model.eval(), setup.num_kv_blocks, setup.block_size, dtype, device, config.seed,
-                         hf_config.vocab_size, backend, quantization=config.quantization)
-    runner.group_store = store  # keep the store alive as long as the group
-    return runner
+    group = parallel.TPGroup(rank, size, process_group(store, rank, size, device, config.tp_timeout_s))
+    return store, ModelRunner(config, rank, group)
 
 
 def cpu_threads(config) -> int:

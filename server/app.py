@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagoda.server.options import ServerOptions
 from pagoda.server.ports import check_free
-from pagoda.server.servicer import SERVICE_NAME, GenerationServicer, add_servicer_to_server
+from pagoda.server.servicer import SERVICE_NAME, GrpcServicer, add_servicer_to_server
 from pagoda.server.state import DRAINING, SERVING, ServerState
 
 log = logging.getLogger("pagoda.server")
@@ -131,7 +131,7 @@ class PagodaServer:
         """Listens (health NOT_SERVING) and starts loading the engine; returns the bound port."""
         credentials = self._credentials()  # reads the PEM files: a missing one fails before listening
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        add_servicer_to_server(GenerationServicer(self.state), self.server)
+        add_servicer_to_server(GrpcServicer(self.state), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         _enable_reflection(self.server, [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
         check_free(self.host, self._port, "--port")
@@ -149,9 +149,9 @@ class PagodaServer:
         o = self.options
         security = ("mutual TLS" if o.tls_client_ca else "TLS") if credentials is not None else "plaintext"
         if o.http_port is not None:
-            from pagoda.server import http
+            from pagoda.server.openai import app as openai_app
 
-            self._http = http.start(self.state, self.host, o.http_port)
+            self._http = openai_app.start(self.state, self.host, o.http_port)
             self.http_port = self._http.port
             log.info("HTTP (OpenAI-compatible API) on %s://%s:%d/v1 (port %d)", "https" if credentials else "http",
                      self.host, self.http_port, self.http_port)

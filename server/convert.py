@@ -6,8 +6,9 @@ becomes the request field a client spells: "stopping.max_tokens must be >= 1, go
 """
 from __future__ import annotations
 
+from pagoda.engine.core_io import EngineRequest
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.protocol import EngineRequest
+from pagoda.engine.outputs import FINISH_REASONS
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import StructuredOutputs
 from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
@@ -17,15 +18,6 @@ from pagoda.v1 import generation_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 256  # when the request leaves stopping.max_tokens unset (capped by the context)
 DEFAULT_LIMITS = ServerOptions().request_limits()  # `pagoda serve`'s, when a caller gives none
-
-FINISH_REASONS = {
-    "length": pb.FINISH_REASON_LENGTH,
-    "stop_string": pb.FINISH_REASON_STOP_STRING,
-    "stop_token": pb.FINISH_REASON_STOP_TOKEN,
-    "eos": pb.FINISH_REASON_EOS,
-    "abort": pb.FINISH_REASON_ABORTED,
-    "grammar": pb.FINISH_REASON_GRAMMAR,
-}
 
 # The engine's field names -> the request's; the prompt's depends on which prompt the request gave.
 FIELDS = {
@@ -153,15 +145,22 @@ def _prompt(req, which: str | None, engine) -> str | list[int]:
 
 
 def finish_reason(out) -> int:
-    """The FinishReason of an engine RequestOutput (UNSPECIFIED while not finished)."""
-    if not out.finished:
-        return pb.FINISH_REASON_UNSPECIFIED
-    return FINISH_REASONS.get(out.stop_reason or out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+    """The FinishReason of an engine RequestOutput (UNSPECIFIED while not finished), through the one map."""
+    names = FINISH_REASONS.get(out.stop_reason) if out.finished else None
+    return pb.FinishReason.Value("FINISH_REASON_" + names.grpc) if names else pb.FINISH_REASON_UNSPECIFIED
 
 
 def usage(out) -> pb.Usage:
     return pb.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_generated_tokens,
                     cached_prompt_tokens=out.num_cached_tokens)
+
+
+def total_usage(responses: list[pb.GenerateResponse]) -> pb.Usage:
+    usage = pb.Usage()
+    for r in responses:
+        for name in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
+            setattr(usage, name, getattr(usage, name) + getattr(r.usage, name))
+    return usage
 
 
 def logprobs(items) -> list[pb.TokenLogprob]:
@@ -184,6 +183,23 @@ def stream_response(request_id: str, out, prompt_index: int = 0) -> pb.GenerateS
         msg.finish_reason = finish_reason(out)
         msg.usage.CopyFrom(usage(out))
     return msg
+
+
+def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResponse:
+    """One prompt's whole completions (finished outputs, by index) as a GenerateResponse; with
+    `prompt_text` (echo) the prompt too."""
+    choices = [pb.Choice(index=o.index, text=o.text, token_ids=o.token_ids, finish_reason=finish_reason(o),
+                         logprobs=logprobs(o.logprobs)) for o in outs]
+    total = usage(outs[0])
+    total.completion_tokens = sum(o.num_generated_tokens for o in outs)
+    prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    resp = pb.GenerateResponse(request_id=req.request_id, text=choices[0].text, token_ids=choices[0].token_ids,
+                               finish_reason=choices[0].finish_reason, usage=total, logprobs=choices[0].logprobs,
+                               choices=choices, prompt_logprobs=prompt_logprobs(prompt_lps))
+    if prompt_text is not None:
+        resp.prompt_text = prompt_text
+        resp.prompt_token_ids.extend(req.prompt_token_ids)
+    return resp
 
 
 def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: RequestLimits = DEFAULT_LIMITS,
@@ -221,21 +237,4 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits
             max_grammar_bytes=limits.max_grammar_bytes or 0,
             grammar_compile_timeout_seconds=limits.grammar_compile_timeout or 0.0,
         ),
-    )
-
-
-def stats(s) -> pb.GetStatsResponse:
-    return pb.GetStatsResponse(
-        num_running=s.num_running,
-        num_waiting=s.num_waiting,
-        kv_blocks_total=s.num_total_blocks,
-        kv_blocks_free=s.num_free_blocks,
-        kv_blocks_used=s.num_used_blocks,
-        prompt_tokens_processed=s.num_prompt_tokens_processed,
-        generated_tokens=s.num_generated_tokens,
-        num_preemptions=s.num_preemptions,
-        uptime_seconds=s.uptime_s,
-        kv_blocks_cached=s.num_cached_blocks,
-        cached_prompt_tokens=s.num_cached_prompt_tokens,
-        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
     )

@@ -48,7 +48,7 @@ class ServerOptions:
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate signed by it (mutual TLS)
     api_key: str | None = field(default=None, repr=False)
-    # the OpenAI-compatible HTTP API (server/http.py), on --host: None off, 0 any free port
+    # the OpenAI-compatible HTTP API (server/openai/), on --host: None off, 0 any free port
     http_port: int | None = None
     # the names clients may call the model by (HTTP "model", GetModelInfo.model_id: the first);
     # empty: the --model argument as given (the demo model: "pagoda-demo")

@@ -1,7 +1,8 @@
 """pagoda.v1.GenerationService: thin grpc.aio handlers over engine.AsyncEngine.
 
 Each handler: refuse while not serving (or past --max-concurrent-streams), validate and convert
-(server/convert.py), hand the request to the engine's asyncio front, convert back. Exceptions become
+(server/convert.py), open the requests as the HTTP door does (server/calls.py: the time limit),
+convert back: whole outputs for Generate, deltas for GenerateStream. Exceptions become
 status codes in one place (status_for, applied by _call), which also counts every call in the
 metrics and, for generations, writes the structured request log line (server/metrics.py).
 
@@ -15,18 +16,18 @@ UNAVAILABLE (loading, draining, engine shut down); DEADLINE_EXCEEDED (the client
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 import logging
-import time
 
 import grpc
 
-from pagoda.engine.async_engine import merge_streams
+from pagoda.engine.async_engine import whole_outputs
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.validation import MAX_REQUEST_ID_LEN, new_request_id
 from pagoda.server import convert
-from pagoda.server.state import ServerError, ServerState, status_for
+from pagoda.server.calls import open_requests
+from pagoda.server.state import ServerState, stats_dict, status_for
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc
 
@@ -98,7 +99,7 @@ def _prompt_chars(request) -> int:
     return 0
 
 
-class GenerationServicer(pb_grpc.GenerationServiceServicer):
+class GrpcServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, state: ServerState):
         self.state = state
 
@@ -133,10 +134,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if record is not None:
                 record.finish(code.name, metrics)
 
-    async def _generate(self, engine, request, context, record):
-        """Yields (prompt index, its EngineRequest, engine delta) until every prompt's request finishes.
-        Leaving early (client cancel, deadline, --request-timeout, error) aborts the requests in the
-        engine so their KV blocks are freed."""
+    async def _open(self, engine, request, context, record, stack):
+        """The request's EngineRequests (one per prompt) and their (prompt index, delta) pairs
+        (server/calls.py: the time limit; `stack` aborts what has not finished)."""
         state = self.state
         rid = request.request_id or _metadata_request_id(context) or new_request_id()
         record.request_id = rid[:MAX_REQUEST_ID_LEN]
@@ -147,56 +147,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             reqs = await asyncio.to_thread(convert.to_engine_requests, request, engine, state.limits, rid)
         else:
             reqs = convert.to_engine_requests(request, engine, state.limits, rid)
-        timeout = state.options.request_timeout
-        timed_out = ServerError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request {rid!r} ran past this server's time limit of {timeout:g}s "
-                                f"(--request-timeout) and was aborted")
-        # --request-timeout: a timer, not a wait_for per token (that costs a task per token). When it
-        # fires while this task waits for the engine, it cancels the wait; otherwise the loop sees the
-        # flag before its next wait.
-        task, waiting, expired = asyncio.current_task(), [False], [False]
-
-        def expire():
-            expired[0] = True
-            if waiting[0]:
-                task.cancel()
-
-        loop = asyncio.get_running_loop()
-        timer = loop.call_at(loop.time() + max(0.0, record.t0 + timeout - time.monotonic()), expire) \
-            if timeout > 0 else None
-        streams, merged = [], None
-        try:
-            self.state.check_call_size(len(reqs), "prompts")
-            for r in reqs:  # refusals (queue full, ...) raise here; the streams opened so far close below
-                streams.append(engine.open(r))
-            record.submitted()
-            it = merged = merge_streams(streams)
-            while True:  # until StopAsyncIteration: the front ends the stream once all n choices finished
-                if expired[0]:
-                    raise timed_out
-                waiting[0] = True
-                try:
-                    out = await it.__anext__()
-                except StopAsyncIteration:
-                    break
-                except asyncio.CancelledError:
-                    if not expired[0]:
-                        raise
-                    uncancel = getattr(task, "uncancel", None)  # Python 3.11+
-                    if uncancel is not None:
-                        uncancel()
-                    raise timed_out from None
-                finally:
-                    waiting[0] = False
-                record.output(out[1])
-                yield out[0], reqs[out[0]], out[1]
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if merged is not None:
-                await merged.aclose()
-            for stream in streams:
-                await stream.aclose()  # aborts the request if it has not finished
+        state.check_call_size(len(reqs), "prompts")
+        return reqs, open_requests(state, engine, reqs, record, stack, rid)
 
     def _record(self, method: str, context):
         from pagoda.server.metrics import RequestRecord
@@ -205,40 +157,37 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request, context):
         record = self._record("Generate", context)
-        async with self._call(context, "Generate", request, record) as engine:
-            results: dict[int, _Result] = {}
-            async with contextlib.aclosing(self._generate(engine, request, context, record)) as outputs:
-                async for i, req, out in outputs:
-                    if i not in results:
-                        results[i] = _Result(req, engine.prompt_text(req) if request.echo else None)
-                    results[i].add(out)
-            responses = [results[i].response() for i in sorted(results)]
-            if len(responses) != len(request.prompts.prompts or [None]):
+        async with self._call(context, "Generate", request, record) as engine, contextlib.AsyncExitStack() as stack:
+            reqs, outputs = await self._open(engine, request, context, record, stack)
+            by_prompt: dict[int, list] = {}
+            for i, out in await whole_outputs(outputs):
+                by_prompt.setdefault(i, []).append(out)
+            if len(by_prompt) != len(reqs):
                 raise RuntimeError("the engine ended a request without a final output")
+            responses = [convert.response(r, by_prompt[i], engine.prompt_text(r) if request.echo else None)
+                         for i, r in enumerate(reqs)]
             if request.WhichOneof("prompt") != "prompts":
                 return responses[0]
-            usage = pb.Usage()
-            for r in responses:
-                for name in ("prompt_tokens", "completion_tokens", "cached_prompt_tokens"):
-                    setattr(usage, name, getattr(usage, name) + getattr(r.usage, name))
-            return pb.GenerateResponse(request_id=record.request_id, usage=usage, results=responses)
+            return pb.GenerateResponse(request_id=record.request_id, usage=convert.total_usage(responses),
+                                       results=responses)
 
     async def GenerateStream(self, request, context):
         record = self._record("GenerateStream", context)
-        async with self._call(context, "GenerateStream", request, record) as engine:
+        async with self._call(context, "GenerateStream", request, record) as engine, \
+                contextlib.AsyncExitStack() as stack:
+            reqs, outputs = await self._open(engine, request, context, record, stack)
             started: set[int] = set()  # prompts whose first message went out
-            async with contextlib.aclosing(self._generate(engine, request, context, record)) as outputs:
-                async for i, req, out in outputs:
-                    first = i not in started
-                    if out.token_ids or out.text or out.finished or (first and out.prompt_logprobs is not None):
-                        msg = convert.stream_response(req.request_id, out, i)
-                        if first and request.echo:
-                            msg.prompt_token_ids.extend(req.prompt_token_ids)
-                            msg.prompt_text = engine.prompt_text(req)
-                        if not first:
-                            del msg.prompt_logprobs[:]  # every completion brings them; the prompt's first message has them
-                        started.add(i)
-                        yield msg
+            async for i, out in outputs:
+                first = i not in started
+                if out.token_ids or out.text or out.finished or (first and out.prompt_logprobs is not None):
+                    msg = convert.stream_response(reqs[i].request_id, out, i)
+                    if first and request.echo:
+                        msg.prompt_token_ids.extend(reqs[i].prompt_token_ids)
+                        msg.prompt_text = engine.prompt_text(reqs[i])
+                    if not first:
+                        del msg.prompt_logprobs[:]  # every completion brings them; the prompt's first message has them
+                    started.add(i)
+                    yield msg
 
     async def Tokenize(self, request, context):
         async with self._call(context, "Tokenize", request) as engine:
@@ -261,38 +210,4 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def GetStats(self, request, context):
         async with self._call(context, "GetStats", request) as engine:
-            return convert.stats(engine.stats())
-
-
-class _Result:
-    """One prompt's completions, gathered from its outputs, as a GenerateResponse."""
-
-    def __init__(self, req, prompt_text: str | None):
-        self.req, self.prompt_text = req, prompt_text
-        self.choices: dict[int, list] = {}  # index -> [texts, token ids, logprobs, last output]
-        self.prompt_logprobs = None
-
-    def add(self, out) -> None:
-        c = self.choices.setdefault(out.index, [[], [], [], None])
-        c[0].append(out.text)
-        c[1].extend(out.token_ids)
-        c[2].extend(convert.logprobs(out.logprobs))
-        c[3] = out
-        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = convert.prompt_logprobs(out.prompt_logprobs)
-
-    def response(self) -> pb.GenerateResponse:
-        choices = self.choices
-        if not choices or not all(c[3].finished for c in choices.values()):
-            raise RuntimeError("the engine ended the request without a final output")
-        done = [pb.Choice(index=i, text="".join(c[0]), token_ids=c[1], finish_reason=convert.finish_reason(c[3]),
-                          logprobs=c[2]) for i, c in sorted(choices.items())]
-        usage = convert.usage(choices[min(choices)][3])
-        usage.completion_tokens = sum(c[3].num_generated_tokens for c in choices.values())
-        resp = pb.GenerateResponse(request_id=self.req.request_id, text=done[0].text, token_ids=done[0].token_ids,
-                                   finish_reason=done[0].finish_reason, usage=usage, logprobs=done[0].logprobs,
-                                   choices=done, prompt_logprobs=self.prompt_logprobs or [])
-        if self.prompt_text is not None:
-            resp.prompt_text = self.prompt_text
-            resp.prompt_token_ids.extend(self.req.prompt_token_ids)
-        return resp
+            return pb.GetStatsResponse(**stats_dict(engine.stats()))

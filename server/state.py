@@ -1,5 +1,6 @@
-"""What both doors (gRPC, server/servicer.py; HTTP, server/http.py) share: the server's phase, the
-admission of a call, and the one map from exceptions to a status (a gRPC code; its HTTP status)."""
+"""What both doors (gRPC, server/servicer.py; HTTP, server/openai/) share: the server's phase, the
+admission of a call, the one map from exceptions to a status (a gRPC code; its HTTP status), and
+the engine's figures under the names both report them by (GetStats, GET /stats)."""
 from __future__ import annotations
 
 import asyncio
@@ -54,6 +55,16 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INTERNAL, f"engine error: {e}"
     log.error("unexpected error", exc_info=e)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+
+
+def stats_dict(s) -> dict:
+    """An EngineStats under GetStatsResponse's field names (GET /stats answers the same)."""
+    return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_blocks_total": s.num_total_blocks,
+            "kv_blocks_free": s.num_free_blocks, "kv_blocks_used": s.num_used_blocks,
+            "prompt_tokens_processed": s.num_prompt_tokens_processed, "generated_tokens": s.num_generated_tokens,
+            "num_preemptions": s.num_preemptions, "uptime_seconds": s.uptime_s,
+            "kv_blocks_cached": s.num_cached_blocks, "cached_prompt_tokens": s.num_cached_prompt_tokens,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
 
 
 class ServerState:

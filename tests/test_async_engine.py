@@ -2,6 +2,7 @@
 `pagoda serve` runs it): every test here runs against each, so the two cannot differ. Streams add
 up to the offline result, refusals name the field, cancel frees blocks, a full queue is refused."""
 import asyncio
+import contextlib
 import os
 import signal
 
@@ -283,3 +284,46 @@ def test_a_model_that_cannot_load_raises_its_own_error(tmp_path, transport):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="architecture 'llama' is not supported"):
         AsyncEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=8, engine_process=transport == "process"))
+
+
+def test_output_kinds_deltas_whole_and_folded_agree(engine):
+    """The core's whole-output mode (stream=False: one output per choice, when it finishes) and
+    deltas folded by whole_outputs give the doors the same completions."""
+    from pagoda.engine.async_engine import merge_streams, whole_outputs
+
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, ignore_eos=True, logprobs=True)
+
+    async def main():
+        whole = [o async for o in engine.generate(engine.make_request("héllo", params, stream=False))]
+        async with contextlib.aclosing(engine.open(engine.make_request("héllo", params))) as deltas:
+            folded = await whole_outputs(merge_streams([deltas]))
+        return whole, [out for _, out in folded]
+    whole, folded = asyncio.run(main())
+    assert len(whole) == len(folded) == 2 and all(o.finished for o in whole + folded)
+    for w, f in zip(sorted(whole, key=lambda o: o.index), folded):
+        assert (w.index, w.text, w.token_ids, w.finish_reason) == (f.index, f.text, f.token_ids, f.finish_reason)
+        assert len(w.logprobs) == len(f.logprobs) == 12 and w.num_generated_tokens == f.num_generated_tokens == 12
+
+
+def test_abort_with_an_error_raises_it_at_once_and_frees_blocks(engine):
+    """A time limit: the stream raises the error now, not after the core's next step reports."""
+    class TimedOut(Exception):
+        pass
+
+    async def main():
+        req = engine.make_request([1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))
+        got = []
+        with pytest.raises(TimedOut):
+            async for out in engine.generate(req):
+                got.append(out)
+                if len(got) == 2:
+                    engine.abort(req.request_id, TimedOut())
+        assert not any(o.finished for o in got)
+        for _ in range(500):
+            s = engine.stats()
+            if s.num_free_blocks == s.num_total_blocks and s.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        return s
+    s = asyncio.run(asyncio.wait_for(main(), 30))
+    assert s.num_free_blocks == s.num_total_blocks and s.num_running == 0

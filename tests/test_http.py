@@ -396,6 +396,30 @@ def test_request_timeout_ends_http_calls_and_frees_blocks(srv, model, grpc_clien
     wait_all_blocks_free(grpc_client, timeout=30)
 
 
+@pytest.mark.parametrize("path,prompt", [("/v1/completions", {"prompt": "hi"}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_a_stream_past_the_time_limit_claims_no_finish(srv, model, grpc_client, path, prompt):
+    """--request-timeout ends a stream as it ends a unary call (gRPC: DEADLINE_EXCEEDED): no chunk
+    says an aborted choice finished ("stop"), then the error event, then [DONE]."""
+    import dataclasses
+
+    state = srv.server.state
+    saved = state.options
+    state.options = dataclasses.replace(saved, request_timeout=0.5)
+    body = {"model": model, **prompt, "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 2}
+    try:
+        with slow_steps(srv.engine, 0.02):
+            with httpx.stream("POST", srv.http_url + path, json=body, timeout=60) as r:
+                lines = [line for line in r.iter_lines() if line]
+    finally:
+        state.options = saved
+    assert lines[-1] == "data: [DONE]"
+    *chunks, error = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert error["error"]["type"] == "timeout" and "--request-timeout" in error["error"]["message"]
+    assert len(chunks) > 2 and all(c["finish_reason"] is None for chunk in chunks for c in chunk["choices"])
+    wait_all_blocks_free(grpc_client, timeout=30)
+
+
 def test_logit_bias_on_both_doors(oai, model, grpc_client):
     """+100 makes a token the greedy choice every time; -100 bans it (OpenAI's semantics)."""
     g = grpc_client.generate("Hello", max_tokens=8, temperature=0, ignore_eos=True, logit_bias={70: 100.0})

@@ -157,7 +157,7 @@ def test_an_install_without_triton_serves_on_cpu(tmp_path, monkeypatch, caplog):
     """triton is a test extra (PyPI's CUDA torch brings its own): a CPU install has none, and must not need it."""
     import sys
 
-    from pagoda.engine.llm_engine import _attention_backend
+    from pagoda.engine.model_runner import attention_backend
 
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['triton'] = None  # as if not installed\n")
     env = {"PYTHONPATH": str(tmp_path)}  # the server and its engine process alike
@@ -178,7 +178,7 @@ def test_an_install_without_triton_serves_on_cpu(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "triton", None)
     with pytest.raises(ValueError, match=r"attention_backend 'triton' is unavailable: triton is not installed "
                                          r"\(pip install triton\)"):
-        _attention_backend("triton", torch.device("cpu"), 64)
-    assert _attention_backend("auto", torch.device("cuda"), 64) is None
+        attention_backend("triton", torch.device("cpu"), 64)
+    assert attention_backend("auto", torch.device("cuda"), 64) is None
     assert "triton attention unavailable (triton is not installed (pip install triton)); using the torch " \
            "implementation" in caplog.text

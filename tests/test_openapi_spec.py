@@ -579,6 +579,6 @@ def _general(problem: str) -> str:
 
 
 def _fields_pagoda_takes(model_name: str) -> set[str]:
-    from pagoda.server import http
+    from pagoda.server.openai import protocol
 
-    return set(getattr(http, model_name).model_fields)
+    return set(getattr(protocol, model_name).model_fields)

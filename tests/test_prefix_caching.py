@@ -52,7 +52,7 @@ def test_n_completions_share_prompt_blocks(checkpoint):
     assert len({tuple(c.token_ids) for c in out.choices}) > 1, "seeded choices should differ"
     # siblings reuse the first choice's full prompt blocks: 41 + 3 * 9 prompt tokens computed
     assert [c.num_cached_tokens for c in out.choices] == [0, 32, 32, 32]
-    assert llm.engine.num_prompt_tokens_processed == 41 + 3 * 9
+    assert llm.engine.stats().num_prompt_tokens_processed == 41 + 3 * 9
     again = llm.generate([prompt], params)[0]
     assert [c.token_ids for c in again.choices] == [c.token_ids for c in out.choices]
     s = llm.engine.stats()

@@ -332,3 +332,46 @@ def test_http_bad_constraint_is_a_400_naming_it(oai, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=oai.models.list().data[0].id, prompt="x", max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_the_manager_advances_and_rolls_back_a_sequences_matcher(checkpoint):
+    """StructuredOutputManager on its own (byte-level tokenizer: token 97 is "a"): a sequence waits for
+    its grammar's template, gets its own matcher, whose bitmask allows what the grammar allows next;
+    accepted tokens advance it, rollback undoes them, the grammar's end finishes the sequence."""
+    from pagoda.engine.loader import load_hf_config, load_tokenizer
+    from pagoda.engine.sequence import FinishReason, Sequence
+    from pagoda.engine.structured import StructuredOutputManager
+
+    path = checkpoint("llama")
+    manager = StructuredOutputManager(load_tokenizer(path), load_hf_config(path).vocab_size, [2])
+    grammar = manager.compiler.compile(StructuredOutputs(choice=["abc", "abd"]))
+    seq = Sequence("r", [5, 6], SamplingParams(max_tokens=8))
+    manager.add([seq], grammar)
+    assert manager.num_waiting == 1
+    ready, failed = [], []
+    for _ in range(500):
+        ready, failed = manager.take_ready()
+        if ready or failed:
+            break
+        manager.wait(0.01)
+    assert ready == [seq] and failed == [] and manager.num_waiting == 0 and seq.matcher is not None
+
+    def allowed() -> set[int]:
+        rows, bits = manager.bitmasks([seq])
+        assert rows == [0]
+        return {w * 32 + j for w, word in enumerate(bits[0].tolist()) for j in range(32) if word >> j & 1}
+
+    a, b, c, d = 97, 98, 99, 100
+    assert allowed() == {a}
+    assert manager.accept(seq, a) == (None, None) and manager.accept(seq, b) == (None, None)
+    assert allowed() == {c, d}
+    assert manager.accept(seq, c) == (FinishReason.GRAMMAR, None)  # "abc": nothing more is allowed
+    manager.rollback(seq, 2)  # back to "a"
+    assert allowed() == {b}
+    manager.accept(seq, b)
+    assert manager.accept(seq, d) == (FinishReason.GRAMMAR, None)
+    manager.rollback(seq, 1)
+    assert allowed() == {c, d}
+    reason, error = manager.accept(seq, a)  # the mask never allows this: an error that says why
+    assert reason is FinishReason.ERROR and error.startswith("structured output:")
+    manager.close()

@@ -1,14 +1,13 @@
-"""The one place RequestOutputs are made, from the sequences a step touched: the offline API,
-both transports of the asyncio front-end and so every protocol get the same text, the same
-hold-back and the same counts.
+"""The one place RequestOutputs are made, in the engine core (its thread or its child process),
+from the sequences a step touched: the offline API, both transports of the asyncio front-end and so
+every door get the same text, the same hold-back and the same counts. The front-end only merges
+them (engine/outputs.py merge) and routes them.
 
 A streamed request gets, per step and per sequence, what is new since its last output; text that
 may still turn out to be the start of a stop string is held back until it cannot (so a stream never
 sends what a stop string later cuts). A request that is not streamed gets one output per sequence,
 when it finishes, and its text is decoded once."""
-import dataclasses
-
-from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.outputs import FINISH_REASONS, RequestOutput
 from pagoda.engine.sequence import FinishReason, Sequence
 
 # a finished completion's incomplete last character is flushed as U+FFFD; not at a stop string
@@ -28,6 +27,7 @@ def failed_output(request_id: str, error: str, index: int = 0) -> RequestOutput:
 
 def _output(seq: Sequence) -> RequestOutput:
     reason = seq.finish_reason
+    public = FINISH_REASONS[reason.value].openai if reason else None
     if reason is FinishReason.ERROR:
         return failed_output(seq.request_id, seq.error, seq.index)
     if reason in _FLUSHED:
@@ -38,7 +38,7 @@ def _output(seq: Sequence) -> RequestOutput:
     out = RequestOutput(
         request_id=seq.request_id, index=seq.index, token_ids=seq.token_ids[seq.num_prompt_tokens + sent:],
         text=text[seq.num_text_sent:end], finished=reason is not None,
-        finish_reason=reason.public if reason else None, stop_reason=reason.value if reason else None,
+        finish_reason=public, stop_reason=reason.value if reason else None,
         num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=num_generated,
         num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics(),
         logprobs=seq.logprobs[sent:num_generated] if seq.params.logprobs else None,
@@ -51,16 +51,3 @@ def sendable_end(length: int, num_sent: int, stop: list[str]) -> int:
     """How much of an unfinished stream's text can go out: all but what may yet be the start of a
     stop string (never less than what was already sent)."""
     return max(num_sent, length - max(map(len, stop), default=1) + 1)
-
-
-def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one completion as one: b's cumulative counts and state."""
-    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text, logprobs=logprobs,
-                               prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
-
-
-def full_output(prompt_token_ids: list[int], choices: list[RequestOutput]) -> RequestOutput:
-    """A finished request: choice 0's fields at the top, every choice (by index) in .choices."""
-    choices = sorted(choices, key=lambda c: c.index)
-    return dataclasses.replace(choices[0], choices=choices, prompt_token_ids=list(prompt_token_ids))

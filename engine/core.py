@@ -1,0 +1,322 @@
+"""The engine core: loads a checkpoint, takes in requests, and steps them:
+schedule -> run -> update from output -> report."""
+import dataclasses
+import logging
+import time
+
+import torch
+
+from pagoda.engine import parallel
+from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
+from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
+from pagoda.engine.errors import EngineDeadError
+from pagoda.engine.layers import quantization
+from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.engine.model_runner import ModelRunner, StepResult
+from pagoda.engine.models import architecture_of
+from pagoda.engine.core_outputs import step_outputs
+from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
+from pagoda.engine.core_io import EngineRequest
+from pagoda.engine.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine.sequence import FinishReason, Sequence
+from pagoda.engine.structured import StructuredOutputManager
+from pagoda.engine.workers import Workers
+
+log = logging.getLogger("pagoda.engine")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        path = self._load_checkpoint_config(config)
+        self._start_workers(config, path)
+        self._load_model(config, path)
+        self.config = self._resolve(config, path)
+        self._build_kv_cache()
+        self._warm_up()
+        self._build_scheduler()
+        self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, while in flight
+        self.started = time.monotonic()
+
+    # ---- loading ----
+
+    def _load_checkpoint_config(self, config: EngineConfig) -> str:
+        """The checkpoint's config and tokenizer; checks what can be refused before any weights load."""
+        from pagoda.engine.demo import DEMO_MODEL_NAME, demo_model_path
+        t0 = time.monotonic()
+        path = resolve_model_path(config.model) if config.model else demo_model_path()
+        self.model_name = config.model or DEMO_MODEL_NAME  # as the user named it
+        self.hf_config = load_hf_config(path)
+        self.architecture = architecture_of(self.hf_config)
+        self.tokenizer = load_tokenizer(path)
+        self.eos_token_ids = _eos_ids(path, self.hf_config, self.tokenizer)
+        self.vocab = TokenVocab(self.tokenizer, self.hf_config.vocab_size)
+        self.structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        quantization.check(config.quantization, device_of(config.device))
+        if config.tensor_parallel_size > 1:
+            parallel.check_splits(self.hf_config, config.tensor_parallel_size)
+        _log_phase("config and tokenizer", t0, path)
+        return path
+
+    def _start_workers(self, config: EngineConfig, path: str) -> None:
+        """Tensor parallelism: ranks 1..N-1 start loading their shards now, alongside this one."""
+        self.workers = None
+        if config.tensor_parallel_size > 1:
+            self.workers = Workers(dataclasses.replace(config, model=path), device_of(config.device))
+
+    def _load_model(self, config: EngineConfig, path: str) -> None:
+        t0 = time.monotonic()
+        group = self.workers.group if self.workers is not None else None
+        self.runner = ModelRunner(dataclasses.replace(config, model=path), 0, group, workers=self.workers,
+                                  structured=self.structured)
+        self.device, self.dtype = self.runner.device, self.runner.dtype
+        _log_phase("weights", t0, f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters, "
+                                  f"{str(self.dtype).removeprefix('torch.')}, {self.device.type}")
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def grammars(self):
+        """The GrammarCompiler requests are checked with (engine/validation.py make_request)."""
+        return self.structured.compiler
+
+    def _resolve(self, config: EngineConfig, path: str) -> EngineConfig:
+        """Fill in what the checkpoint, the device and the memory budget decide."""
+        if config.max_num_batched_tokens is None:
+            config = dataclasses.replace(config, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS[self.device.type])
+        per_block = self.runner.kv_bytes_per_block(config.block_size)
+        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(config, per_block)
+        if num_blocks < 1:
+            raise ValueError("the KV memory budget holds no block; raise kv_cache_memory_gb or set num_kv_blocks")
+        capacity = num_blocks * config.block_size
+        model_len = _checkpoint_context(self.hf_config)
+        if config.max_model_len is not None:
+            if config.max_model_len > model_len:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the checkpoint's {model_len}")
+            if config.max_model_len > capacity:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache's {capacity} "
+                                 f"tokens; raise num_kv_blocks or kv_cache_memory_gb")
+            model_len = config.max_model_len
+        elif model_len > capacity:
+            log.warning("max_model_len capped at the KV cache capacity: %d tokens", capacity)
+            model_len = capacity
+        return dataclasses.replace(config, model=config.model or path, num_kv_blocks=num_blocks,
+                                   max_model_len=model_len, dtype=str(self.dtype).removeprefix("torch."),
+                                   device=self.device.type)
+
+    def _num_blocks_from_budget(self, config: EngineConfig, per_block: int) -> int:
+        if config.kv_cache_memory_gb is not None:
+            budget = config.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # leave room for activations of the largest step besides the KV cache
+            hidden = self.hf_config.hidden_size
+            activations = config.max_num_batched_tokens * hidden * 64 + config.max_num_seqs * self.hf_config.vocab_size * 8
+            budget = free * config.gpu_memory_utilization - activations
+        else:
+            budget = CPU_KV_CACHE_GB * 2**30
+        return int(budget // per_block)
+
+    def _build_kv_cache(self) -> None:
+        """On every rank: the attention backend, the KV cache, quantized weights."""
+        t0 = time.monotonic()
+        self.runner.init_cache(self.config)  # first: this rank's errors are the ones to raise
+        if self.workers is not None:
+            self.workers.call("init_cache", self.config)
+        kv = self.runner.kv_cache
+        _log_phase("KV cache", t0, f"{self.config.num_kv_blocks} blocks of {self.config.block_size} tokens, "
+                                   f"{kv.numel() * kv.element_size() / 2**30:.2f} GiB, "
+                                   f"{self.runner.attention_backend_name} attention")
+
+    def _warm_up(self) -> None:
+        if self.device.type != "cuda":
+            return
+        t0, c = time.monotonic(), self.config
+        self.runner.warmup(min(c.max_num_batched_tokens, 512))
+        # graphs pad batches with slot -1 rows, which only the Triton cache write skips
+        if not c.enforce_eager and self.runner.attention_backend is not None and self.workers is None:
+            self.runner.use_cuda_graphs(min(c.max_num_seqs, 256), c.max_model_len)
+        _log_phase("warm-up", t0, "CUDA graphs" if self.runner.decode_graphs is not None else "eager")
+
+    def _build_scheduler(self) -> None:
+        c = self.config
+        self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
+                                   self.structured)
+
+    # ---- requests ----
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Take in a checked request (engine/validation.py make_request) as its n sequences."""
+        seqs = [self._sequence(req, i) for i in range(req.params.n)]
+        self.requests[req.request_id] = seqs
+        if req.grammar is not None:  # scheduled once its matcher template is built (off this loop)
+            self.structured.add(seqs, req.grammar)
+            return
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _sequence(self, req: EngineRequest, index: int) -> Sequence:
+        params, generator = req.params, None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed + index)
+        detokenizer = IncrementalDetokenizer(self.vocab, req.prompt_token_ids, params.skip_special_tokens)
+        return Sequence(req.request_id, req.prompt_token_ids, params, index=index, priority=req.priority,
+                        eos_token_ids=self.eos_token_ids, stream=req.stream, arrival_time=req.arrival_time,
+                        bad_words=req.bad_words_token_ids, detokenizer=detokenizer, generator=generator)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet running: the scheduler's queue and those waiting for their grammar."""
+        return len(self.scheduler.waiting) + self.structured.num_waiting
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish every sequence of the request still in flight; their last outputs."""
+        seqs = [s for s in self.requests.pop(request_id, []) if not s.is_finished]
+        for seq in seqs:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+        return step_outputs(seqs)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every request in flight with an error (after a step crashed outside the model run)."""
+        seqs = [s for group in self.requests.values() for s in group if not s.is_finished]
+        for seq in seqs:
+            self.scheduler.finish(seq, FinishReason.ERROR, error)
+        self.requests.clear()
+        return step_outputs(seqs)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.structured.compiling)
+
+    # ---- the step ----
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the outputs of the sequences that got tokens or finished."""
+        sched, failed = self.schedule()
+        return self.execute(sched, failed)
+
+    def schedule(self) -> tuple[SchedulerOutput, list[Sequence]]:
+        """The step's first phase: sequences whose grammar is built join the queue, the scheduler picks
+        the batch. Then num_waiting is the step's (the transport reports it before the model runs).
+        Returns the batch, and the sequences whose grammar failed (finished)."""
+        failed = self._admit_compiled()
+        return self.scheduler.schedule(), failed
+
+    def execute(self, sched: SchedulerOutput, failed: list[Sequence]) -> list[RequestOutput]:
+        """The rest of the step: run -> update from output -> report."""
+        result = self._run(sched, idle=not failed)
+        changed = self._update_from_output(sched, result)
+        return self._report(failed + changed)
+
+    def _admit_compiled(self) -> list[Sequence]:
+        """Sequences whose grammar is built join the scheduler; those whose grammar failed finish."""
+        if not self.structured.compiling:
+            return []
+        ready, failed = self.structured.take_ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        for seq, error in failed:
+            self.scheduler.finish(seq, FinishReason.ERROR, error)
+        return [seq for seq, _ in failed]
+
+    def _run(self, sched: SchedulerOutput, idle: bool) -> StepResult | None:
+        """The model over the step's batch; None when there was nothing to run, or the run failed (its
+        sequences then finish with the error)."""
+        if sched.is_empty:
+            if self.structured.compiling and idle:  # nothing to run until a grammar is built: wait a little
+                self.structured.wait(0.01)
+            return None
+        try:
+            return self.runner.run(sched)
+        except EngineDeadError:
+            raise  # the engine cannot go on (a tensor-parallel rank is gone): fatal, not this step's alone
+        except Exception as e:
+            log.exception("engine step failed; failing its %d requests", len(sched.seqs))
+            for seq in sched.seqs:
+                self.scheduler.finish(seq, FinishReason.ERROR, f"{type(e).__name__}: {e}")
+            return None
+
+    def _update_from_output(self, sched: SchedulerOutput, result: StepResult | None) -> list[Sequence]:
+        """The step's new prompt logprobs, tokens and their logprobs into its sequences."""
+        if result is None:
+            return [s for s in sched.seqs if s.is_finished]  # a failed run
+        for seq, lps in result.prompt_logprobs:
+            seq.prompt_logprobs += lps
+        if result.logprobs is not None:
+            for seq, tokens, lp in zip(sched.sampling_seqs, result.tokens, result.logprobs):
+                if lp is not None:
+                    seq.logprobs.append(TokenLogprob(tokens[0], lp[0], lp[1]))
+        return self.scheduler.update_from_output(sched, result.tokens)
+
+    def _report(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """The outputs of the sequences the step changed; finished requests are forgotten."""
+        for seq in seqs:
+            group = self.requests.get(seq.request_id)
+            if group is not None and all(s.is_finished for s in group):
+                del self.requests[seq.request_id]
+        return step_outputs(seqs)
+
+    # ---- liveness ----
+
+    @property
+    def idle_poll_s(self) -> float | None:
+        """How long the engine loop may sleep with nothing to do: forever, or with tensor-parallel
+        ranks a second, to notice one that died (check_alive)."""
+        return None if self.workers is None else 1.0
+
+    def check_alive(self) -> None:
+        """EngineDeadError if a tensor-parallel rank has exited."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing else holds resources beyond this object)."""
+        if self.workers is not None:
+            self.workers.close()
+
+    # ---- reporting ----
+
+    def stats(self) -> EngineStats:
+        b, s = self.block_manager.stats(), self.scheduler
+        return EngineStats(len(s.running), self.num_waiting, b.num_total_blocks, b.num_free_blocks,
+                           b.num_used_blocks, b.num_wasted_slots, s.num_prompt_tokens_processed,
+                           s.num_generated_tokens, s.num_preemptions, time.monotonic() - self.started,
+                           b.num_cached_blocks, s.num_prompt_tokens_cached,
+                           s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0)
+
+    def model_info(self) -> ModelInfo:
+        c = self.config
+        return ModelInfo(self.model_name, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
+                         sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
+                         c.max_num_batched_tokens, c.max_queue_len, c.quantization or "")
+
+
+def _log_phase(phase: str, t0: float, what: str) -> None:
+    log.info("loaded %s in %.1f s (%s)", phase, time.monotonic() - t0, what)
+
+
+def _checkpoint_context(hf_config) -> int:
+    n = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # attention here is full; within the window it equals sliding-window attention
+        n = min(n, window)
+    return n
+
+
+def _eos_ids(path: str, hf_config, tokenizer) -> frozenset[int]:
+    ids = set()
+    try:
+        from transformers import GenerationConfig
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError):
+        eos = getattr(hf_config, "eos_token_id", None)
+    for e in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        if e is not None:
+            ids.add(int(e))
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,121 @@
+"""POST /v1/chat/completions: the conversation through the model's chat template, n choices; the
+stream starts with each choice's role. render_chat also serves /tokenize."""
+from __future__ import annotations
+
+from functools import partial
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagoda.engine.errors import InvalidRequestError
+from pagoda.server.openai.protocol import ChatMessage, ChatRequest, sampling_params
+from pagoda.server.openai.serving import Call, Serving, usage
+
+
+class Chat:
+    def __init__(self, serving: Serving):
+        self.serving = serving
+
+    async def create(self, body: ChatRequest, request: Request) -> Response:
+        return await self.serving.generate(body, request, "chatcmpl-", partial(self._requests, body),
+                                           partial(_whole, body), partial(_chunks, body))
+
+    def _requests(self, body: ChatRequest, engine, rid: str) -> list:
+        # max_completion_tokens (OpenAI's newer name) wins where both are given, as in vLLM
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        ids = render_chat(engine, body.messages)
+        return [engine.make_request(ids, params, f"{rid}-0", body.priority or 0, limits=self.serving.state.limits)]
+
+
+def _whole(body: ChatRequest, call: Call, outs: list) -> dict:
+    choices = [_with_extras(body, call, out, {
+        "index": out.index, "message": {"role": "assistant", "content": out.text, "refusal": None},
+        "logprobs": None if out.logprobs is None else call.logprobs.chat(out.logprobs),
+        "finish_reason": out.finish_reason}) for _, out in outs]
+    return {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
+            "choices": choices, "usage": usage(out for _, out in outs)}
+
+
+async def _chunks(body: ChatRequest, call: Call, outputs):
+    """Each choice's role first, then a chunk per delta, then usage if asked (with it, every chunk
+    has the field, null but in the last: chat's schema only)."""
+    head = {"id": call.id, "object": "chat.completion.chunk", "created": call.created, "model": call.model}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if include_usage:
+        head["usage"] = None
+    for k in range(body.n or 1):
+        yield {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}]}
+    lasts = {}
+    async for _, out in outputs:
+        first = out.index not in lasts
+        lasts[out.index] = out
+        if out.text or out.finished or out.token_ids or first:
+            yield {**head, "choices": [_with_extras(body, call, out, {
+                "index": out.index, "delta": {"content": out.text} if out.text else {},
+                "logprobs": None if out.logprobs is None else call.logprobs.chat(out.logprobs),
+                "finish_reason": out.finish_reason})]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage(lasts.values())}
+
+
+def _with_extras(body: ChatRequest, call: Call, out, choice: dict) -> dict:
+    """vLLM's extras: the prompt's logprobs, the choice's token ids."""
+    if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = call.logprobs.prompt(out.prompt_logprobs)
+    if body.return_token_ids:
+        choice["token_ids"] = out.token_ids
+    return choice
+
+
+# Roles as the chat template knows them: "developer" is OpenAI's newer name for "system".
+_TEMPLATE_ROLE = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def render_chat(engine, messages: list[ChatMessage]) -> list[int]:
+    """A conversation's prompt token ids, through the model's chat template."""
+    try:
+        return engine.apply_chat_template(_chat_messages(messages))
+    except InvalidRequestError:
+        raise
+    except Exception as e:  # no template, a role the template refuses, ...
+        raise InvalidRequestError("messages", f"cannot be rendered with the model's chat template: {e}") from e
+
+
+def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    if not messages:
+        raise InvalidRequestError("messages", "must not be empty")
+    return [_chat_message(i, m) for i, m in enumerate(messages)]
+
+
+def _chat_message(i: int, m: ChatMessage) -> dict:
+    where = f"messages[{i}]"
+    if m.role not in _TEMPLATE_ROLE:
+        raise InvalidRequestError(f"{where}.role", f"{m.role!r} is not supported by this server: it serves no tools")
+    if m.tool_calls or m.function_call is not None:
+        field = "tool_calls" if m.tool_calls else "function_call"
+        raise InvalidRequestError(f"{where}.{field}", "is not supported by this server: it serves no tools")
+    if m.tool_call_id is not None or (m.role != "assistant" and (m.refusal, m.audio, m.annotations) != (None,) * 3):
+        field = next(f for f in ("tool_call_id", "refusal", "audio", "annotations") if getattr(m, f) is not None)
+        raise InvalidRequestError(f"{where}.{field}", f"is not a field of a {m.role} message")
+    if m.content is None and m.role != "assistant":
+        raise InvalidRequestError(f"{where}.content", "is required")
+    return {"role": _TEMPLATE_ROLE[m.role], "content": _text_of(where, m.content)}
+
+
+def _text_of(where: str, content) -> str:
+    """A message's text: the string, or its text parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+            what = f"a {kind!r} part is not supported: this server's models take text" if kind != "text" else \
+                "must be {\"type\": \"text\", \"text\": STRING}"
+            raise InvalidRequestError(f"{where}.content[{j}]", what)
+        texts.append(part["text"])
+    return "".join(texts)
