@@ -128,9 +128,14 @@ def test_completions_answers_follow_the_specification(srv, model, name):
     r, out = call(srv, "POST", "/v1/completions", body)
     assert r.status_code == 200, out
     if body.get("stream"):
-        usage = [c for c in out if c.get("usage")]
-        want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        assert len(usage) == want_usage and (not usage or usage[0] is out[-1] and out[-1]["choices"] == [])
+        assert_usage_chunk_last(body, out)
+
+
+def assert_usage_chunk_last(body: dict, chunks: list) -> None:
+    """With stream_options.include_usage, exactly one chunk carries usage: the last, with no choices."""
+    usage = [c for c in chunks if c.get("usage")]
+    want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    assert len(usage) == want_usage and (not usage or usage[0] is chunks[-1] and chunks[-1]["choices"] == [])
 
 
 @pytest.mark.parametrize("name", list(CHAT))
@@ -140,9 +145,7 @@ def test_chat_answers_follow_the_specification(srv, model, name):
     assert r.status_code == 200, out
     if body.get("stream"):
         assert all(c["object"] == "chat.completion.chunk" for c in out)
-        usage = [c for c in out if c.get("usage")]
-        want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        assert len(usage) == want_usage and (not usage or usage[0] is out[-1] and out[-1]["choices"] == [])
+        assert_usage_chunk_last(body, out)
 
 
 def test_models_follow_the_specification(srv, model):
