@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core_io import Abort, CoreFailed, EngineRequest, Queued, StepReport
-from pagoda.engine.errors import DuplicateRequestError, EngineClosedError, EngineError, QueueFullError
+from pagoda.engine.errors import DuplicateRequestError, EngineClosedError, EngineError, QueueFullError, QueueWaitError
 from pagoda.engine.outputs import RequestOutput, merge
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import GrammarCompiler
@@ -167,12 +167,30 @@ class AsyncEngine:
                 raise QueueFullError(f"the waiting queue is full ({self.config.max_queue_len} requests); retry later")
             if req.request_id in self._queues:
                 raise DuplicateRequestError("request_id", f"{req.request_id!r} is already used by a request in flight")
+            self._check_time_limit(req)
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[req.request_id] = (asyncio.get_running_loop(), queue)
             self._unfinished[req.request_id] = req.params.n
             self._num_pending += req.params.n
         self._transport.send(req)  # not under the lock: a full pipe must not stall the report thread
         return queue
+
+    def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
+        """The estimated wait of a request arriving now (EngineStats.queue_wait_s, from the latest step's
+        figures), the sequences sent to the core and not yet taken in counted as queued before it."""
+        return self._stats.queue_wait_s(num_seqs + self._num_pending, num_tokens)
+
+    def _check_time_limit(self, req: EngineRequest) -> None:  # under self._lock
+        """Admission: a request whose time limit is estimated to pass before its first token (the queue
+        before it, then its own prompt) is refused now, not left to end with nothing."""
+        limit = req.params.time_limit_ms
+        if limit is None:
+            return
+        wait = self.queue_wait_s(req.params.n, len(req.prompt_token_ids))
+        if wait * 1000 > limit:
+            raise QueueWaitError(f"time_limit_ms {limit} cannot be met: the queue before this request and its "
+                                 f"prompt are estimated to take {wait:.3g}s; retry later or with a longer limit",
+                                 retry_after=wait)
 
     def _on_report(self, report) -> None:
         """A report from the core (its thread, or the receiver of the child's pipe)."""
@@ -230,6 +248,8 @@ async def consume(request_id: str, queue: asyncio.Queue, unfinished: int, abort)
             if isinstance(out, BaseException):
                 raise out
             if out.finish_reason == "error":
+                if out.stop_reason == "refused":
+                    raise QueueWaitError(f"request {request_id} was refused: {out.error}; retry later")
                 raise EngineError(f"request {request_id} failed: {out.error}")
             unfinished -= out.finished
             yield out

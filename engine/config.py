@@ -33,6 +33,7 @@ class EngineConfig:
     engine_process: bool = False  # AsyncEngine: the engine loop in a child process (else a thread)
     tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py, engine/workers.py)
     tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
+    max_queue_wait_s: float | None = None  # a request never scheduled this long after arrival is refused
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -50,6 +51,9 @@ class EngineConfig:
         if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
                 or not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s!r}")
+        q = self.max_queue_wait_s
+        if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < float("inf")):
+            raise ValueError(f"max_queue_wait_s must be a positive number of seconds or None, got {q!r}")
         if self.cpu_threads is not None:
             _positive_int("cpu_threads", self.cpu_threads)
         if self.num_kv_blocks is not None:

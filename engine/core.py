@@ -18,7 +18,7 @@ from pagoda.engine.models import architecture_of
 from pagoda.engine.core_outputs import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.core_io import EngineRequest
-from pagoda.engine.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine.scheduler import Scheduler, SchedulerOutput, finished_per_s
 from pagoda.engine.sequence import FinishReason, Sequence
 from pagoda.engine.structured import StructuredOutputManager
 from pagoda.engine.workers import Workers
@@ -144,7 +144,7 @@ class EngineCore:
         c = self.config
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                   self.structured)
+                                   self.structured, c.max_queue_wait_s)
 
     # ---- requests ----
 
@@ -200,9 +200,10 @@ class EngineCore:
 
     def schedule(self) -> tuple[SchedulerOutput, list[Sequence]]:
         """The step's first phase: sequences whose grammar is built join the queue, the scheduler picks
-        the batch. Then num_waiting is the step's (the transport reports it before the model runs).
-        Returns the batch, and the sequences whose grammar failed (finished)."""
-        failed = self._admit_compiled()
+        the batch, after the sequences past a time limit or their queue-wait limit finish. Then num_waiting
+        is the step's (the transport reports it before the model runs). Returns the batch, and the
+        sequences that finished before it (a grammar failed, a limit passed)."""
+        failed = self._admit_compiled() + self.scheduler.expire()
         return self.scheduler.schedule(), failed
 
     def execute(self, sched: SchedulerOutput, failed: list[Sequence]) -> list[RequestOutput]:
@@ -280,12 +281,14 @@ class EngineCore:
     # ---- reporting ----
 
     def stats(self) -> EngineStats:
-        b, s = self.block_manager.stats(), self.scheduler
+        b, s, now = self.block_manager.stats(), self.scheduler, time.monotonic()
         return EngineStats(len(s.running), self.num_waiting, b.num_total_blocks, b.num_free_blocks,
                            b.num_used_blocks, b.num_wasted_slots, s.num_prompt_tokens_processed,
-                           s.num_generated_tokens, s.num_preemptions, time.monotonic() - self.started,
+                           s.num_generated_tokens, s.num_preemptions, now - self.started,
                            b.num_cached_blocks, s.num_prompt_tokens_cached,
-                           s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0)
+                           s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0,
+                           s.num_waiting_tokens, max(0, s.max_num_seqs - len(s.running)), s.step_tokens_per_s,
+                           finished_per_s(s.finish_times, now))
 
     def model_info(self) -> ModelInfo:
         c = self.config

@@ -12,24 +12,27 @@ from pagoda.engine.sequence import FinishReason, Sequence
 
 # a finished completion's incomplete last character is flushed as U+FFFD; not at a stop string
 # (the text was cut before it), an abort or an error
-_FLUSHED = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.GRAMMAR)
+_FLUSHED = (FinishReason.LENGTH, FinishReason.EOS, FinishReason.STOP_TOKEN, FinishReason.GRAMMAR,
+            FinishReason.TIME_LIMIT)
 
 
 def step_outputs(seqs: list[Sequence]) -> list[RequestOutput]:
     return [_output(s) for s in seqs if s.stream or s.is_finished]
 
 
-def failed_output(request_id: str, error: str, index: int = 0) -> RequestOutput:
-    """What a request's caller gets when the step running it failed (the stream raises EngineError)."""
-    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", stop_reason="error", error=error,
-                         index=index)
+def failed_output(request_id: str, error: str, index: int = 0, stop_reason: str = "error",
+                  metrics=None) -> RequestOutput:
+    """What a request's caller gets when the step running it failed (the stream raises EngineError), or
+    the queue refused it (stop_reason "refused": QueueWaitError)."""
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="error", stop_reason=stop_reason,
+                         error=error, index=index, metrics=metrics)
 
 
 def _output(seq: Sequence) -> RequestOutput:
     reason = seq.finish_reason
     public = FINISH_REASONS[reason.value].openai if reason else None
-    if reason is FinishReason.ERROR:
-        return failed_output(seq.request_id, seq.error, seq.index)
+    if reason is FinishReason.ERROR or reason is FinishReason.REFUSED:
+        return failed_output(seq.request_id, seq.error, seq.index, reason.value, seq.metrics())
     if reason in _FLUSHED:
         seq.detokenizer.flush()
     text = seq.detokenizer.text

@@ -22,7 +22,19 @@ class DuplicateRequestError(InvalidRequestError):
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at its bound; retry later."""
+    """The waiting queue is at its bound; retry later (`retry_after`: seconds, when known)."""
+
+    def __init__(self, message: str = "", retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after)
+
+
+class QueueWaitError(QueueFullError):
+    """The request waited in the queue past max_queue_wait_s without being scheduled, or would (its
+    time limit is shorter than the estimated wait); retry later."""
 
 
 class EngineError(RuntimeError):

@@ -18,6 +18,9 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None  # admitted into the running batch (queue time ends)
     first_token_time: float | None
+    finished_time: float | None = None  # this and the timeline below: set in a completion's last output
+    prefill_chunks: tuple[tuple[float, float, int], ...] = ()  # (step start, step end, prompt tokens) per chunk
+    preemption_times: tuple[float, ...] = ()  # each time it was preempted (its KV freed, to be recomputed)
 
 
 @dataclass
@@ -28,8 +31,9 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: str | None = None  # "eos" | "stop_token" | "stop_string" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "time_limit" | "error"
+    # "eos" | "stop_token" | "stop_string" | "grammar" | "length" | "abort" | "time_limit" | "error" | "refused"
+    stop_reason: str | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
@@ -64,6 +68,8 @@ FINISH_REASONS = {
     "length": FinishNames("length", "LENGTH"),
     "abort": FinishNames("abort", "ABORTED"),
     "error": FinishNames("error", "UNSPECIFIED"),
+    "time_limit": FinishNames("time_limit", "TIME_LIMIT"),  # not in OpenAI's enum: tests/openai_spec.py allows it
+    "refused": FinishNames("error", "UNSPECIFIED"),  # never reaches a door: the call fails (QueueWaitError)
 }
 
 
@@ -95,6 +101,20 @@ class EngineStats:
     num_cached_blocks: int = 0  # free blocks still holding a reusable prefix
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     prefix_cache_hit_rate: float = 0.0  # of all prompt tokens admitted
+    # measured rates behind the queue-wait estimate (queue_wait_s)
+    num_waiting_tokens: int = 0  # tokens of the waiting sequences (prompt, and generated ones to recompute)
+    num_free_seats: int = 0  # max_num_seqs less the running sequences
+    step_tokens_per_s: float = 0.0  # tokens computed per second of step time (moving average)
+    finished_per_s: float = 0.0  # sequences finished per second, over the last ones
+
+    def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
+        """How long `num_seqs` more sequences (holding `num_tokens` more tokens) would wait before all
+        are scheduled: the slower of computing the prompts queued before them at the measured step
+        rate, and freeing seats at the measured finish rate. 0 until the engine has measured them."""
+        compute = (self.num_waiting_tokens + num_tokens) / self.step_tokens_per_s if self.step_tokens_per_s else 0.0
+        short = self.num_waiting + num_seqs - self.num_free_seats
+        seats = short / self.finished_per_s if short > 0 and self.finished_per_s else 0.0
+        return max(compute, seats)
 
 
 @dataclass(frozen=True)

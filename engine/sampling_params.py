@@ -32,6 +32,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never generated (as vLLM: with or without a leading space)
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many top alternatives
     structured_outputs: StructuredOutputs | None = None  # what the completion must match (engine/structured.py)
+    # ends the completion with what it has (finish reason time_limit) this long after its arrival
+    time_limit_ms: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -1,5 +1,8 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption."""
 import bisect
+import collections
+import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +17,7 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)  # per seq: tokens it computes this step
     num_sampled: list[int] = field(default_factory=list)  # per seq: tokens it samples this step (0 or 1 today)
     preempted: list[Sequence] = field(default_factory=list)
+    start_time: float = 0.0  # time.monotonic() when the step was scheduled
 
     @property
     def is_empty(self) -> bool:
@@ -37,7 +41,7 @@ def num_to_sample(seq: Sequence, num_new_tokens: int) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, structured=None):
+                 max_model_len: int, structured=None, max_queue_wait_s: float | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -50,15 +54,44 @@ class Scheduler:
         self.num_prompt_tokens_processed = 0  # prompt tokens run through the model (recomputes included)
         self.num_generated_tokens = 0
         self.structured = structured  # StructuredOutputManager: a constrained sequence's matcher takes each token
+        self.max_queue_wait_s = max_queue_wait_s  # a sequence never scheduled this long after arrival is refused
+        self.deadlines: list = []  # heap of (time, tiebreak, seq, reason): time limits and queue-wait limits
+        self._tiebreak = itertools.count()
+        # what the queue-wait estimate (EngineStats.queue_wait_s) is made of
+        self.num_waiting_tokens = 0
+        self.step_tokens_per_s = 0.0  # moving average over steps
+        self.finish_times: collections.deque = collections.deque(maxlen=64)
 
     def add(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING:  # first time: its limits start to count
+            if seq.deadline is not None:
+                heapq.heappush(self.deadlines, (seq.deadline, next(self._tiebreak), seq, FinishReason.TIME_LIMIT))
+            if self.max_queue_wait_s is not None:
+                refuse_at = seq.arrival_time + self.max_queue_wait_s
+                heapq.heappush(self.deadlines, (refuse_at, next(self._tiebreak), seq, FinishReason.REFUSED))
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        self.num_waiting_tokens += seq.num_tokens
+
+    def expire(self) -> list[Sequence]:
+        """Once per step: sequences past their time limit finish (TIME_LIMIT, with what they have, in the
+        queue too), and sequences never scheduled within max_queue_wait_s are refused. Returns them."""
+        expired, now = [], time.monotonic()
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, _, seq, reason = heapq.heappop(self.deadlines)
+            if seq.is_finished or (reason is FinishReason.REFUSED and seq.first_scheduled_time is not None):
+                continue
+            error = None
+            if reason is FinishReason.REFUSED:
+                error = f"it waited {now - seq.arrival_time:.3g}s in the queue, past this server's --max-queue-wait"
+            self.finish(seq, reason, error)
+            expired.append(seq)
+        return expired
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(start_time=time.monotonic())
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         self._schedule_waiting(out, budget)
         # single-token queries first, longest context first (lets attention group similar lengths)
@@ -109,6 +142,7 @@ class Scheduler:
                 self.num_prompt_tokens_seen += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_tokens
             self.waiting.pop(0)
+            self.num_waiting_tokens -= seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
             out.seqs.append(seq)
@@ -120,6 +154,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
+        seq.preemption_times.append(time.monotonic())
         self.num_preemptions += 1
         out.preempted.append(seq)
         self.add(seq)
@@ -127,10 +162,13 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, tokens: list[list[int]]) -> list[Sequence]:
         """Advance computed counts, append each sampling seq's new tokens (a list per seq, in order),
         finish sequences that stop. Returns the sequences that got tokens or finished."""
-        changed, rows = [], iter(tokens)
+        changed, rows, now = [], iter(tokens), time.monotonic()
+        if now > out.start_time:
+            self.step_tokens_per_s += 0.2 * (out.num_tokens / (now - out.start_time) - self.step_tokens_per_s)
         for seq, n, k in zip(out.seqs, out.num_new_tokens, out.num_sampled):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_processed += n
+                seq.prefill_chunks.append((out.start_time, now, n))
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
             if k:
@@ -164,10 +202,18 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.num_waiting_tokens -= seq.num_tokens
         self.block_manager.free(seq)
+        seq.finished_time = time.monotonic()
+        self.finish_times.append(seq.finished_time)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
+
+
+def finished_per_s(finish_times, now: float) -> float:
+    """Sequences finished per second over the last len(finish_times) finishes, up to now."""
+    return len(finish_times) / (now - finish_times[0]) if finish_times and now > finish_times[0] else 0.0
 
 
 def check_stop(seq: Sequence, max_model_len: int) -> FinishReason | None:

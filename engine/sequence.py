@@ -22,6 +22,8 @@ class FinishReason(Enum):
     GRAMMAR = "grammar"  # the structured output is complete: its grammar allows nothing more
     ABORT = "abort"
     ERROR = "error"  # each door's name for these: engine/outputs.py FINISH_REASONS
+    TIME_LIMIT = "time_limit"  # params.time_limit_ms passed: the completion ends with what it has
+    REFUSED = "refused"  # never scheduled within max_queue_wait_s: the caller gets QueueWaitError
 
 
 _arrival = itertools.count()
@@ -56,6 +58,11 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None  # first admitted into the running batch
         self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.prefill_chunks: list[tuple[float, float, int]] = []  # (step start, step end, prompt tokens)
+        self.preemption_times: list[float] = []
+        # params.time_limit_ms as a time.monotonic() deadline (the same clock in the core's process)
+        self.deadline = None if params.time_limit_ms is None else self.arrival_time + params.time_limit_ms / 1000
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None  # why, when finish_reason is ERROR
@@ -92,7 +99,11 @@ class Sequence:
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def metrics(self) -> RequestMetrics:
-        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time)
+        """The stamps so far; the phase timeline (for tracing) only with the last output."""
+        if self.finished_time is None:
+            return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time)
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
+                              self.finished_time, tuple(self.prefill_chunks), tuple(self.preemption_times))
 
     @property
     def is_finished(self) -> bool:

@@ -16,6 +16,7 @@ MIN_SEED, MAX_SEED = -2**63, 2**63 - 1  # int64, as OpenAI takes it (gRPC: uint6
 MAX_REQUEST_ID_LEN = 256
 MAX_LOGIT_BIAS = 1024  # entries; each is applied at every step
 MAX_BAD_WORDS = 256  # each is checked against the sequence's tail at every step
+MAX_TIME_LIMIT_MS = 24 * 3600 * 1000  # a day
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ FIELD_RULES = {
     "top_logprobs": lambda v: check_int("top_logprobs", v, lo=0, hi=MAX_TOP_LOGPROBS),
     "truncate_prompt_tokens": lambda v: v is None or check_int("truncate_prompt_tokens", v, lo=1),
     "prompt_logprobs": lambda v: v is None or check_int("prompt_logprobs", v, lo=0, hi=MAX_TOP_LOGPROBS),
+    "time_limit_ms": lambda v: v is None or check_int("time_limit_ms", v, lo=1, hi=MAX_TIME_LIMIT_MS),
 }
 
 

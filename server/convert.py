@@ -97,7 +97,7 @@ def _params(req) -> SamplingParams:
         kw["include_stop_str_in_output"] = st.include_stop_str_in_output
     if s.bad_words:
         kw["bad_words"] = list(s.bad_words)
-    for name in ("skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"):
+    for name in ("skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "time_limit_ms"):
         if req.HasField(name):
             kw[name] = getattr(req, name)
     if req.HasField("structured_output"):
@@ -204,7 +204,7 @@ def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResp
 
 def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: RequestLimits = DEFAULT_LIMITS,
                max_message_bytes: int = 0, max_concurrent_streams: int = 0,
-               request_timeout: float = 0.0) -> pb.GetModelInfoResponse:
+               request_timeout: float = 0.0, max_queue_wait: float | None = None) -> pb.GetModelInfoResponse:
     context = info.max_model_len
     return pb.GetModelInfoResponse(
         model_id=info.model_id or "",
@@ -236,5 +236,6 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits
             max_prompt_logprobs=MAX_TOP_LOGPROBS,
             max_grammar_bytes=limits.max_grammar_bytes or 0,
             grammar_compile_timeout_seconds=limits.grammar_compile_timeout or 0.0,
+            max_queue_wait_seconds=max_queue_wait or 0.0,
         ),
     )

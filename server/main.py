@@ -40,6 +40,16 @@ def _http_port(text: str) -> int | None:
     return port
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (0: no limit), got {text!r}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The serve flags; each defaults to its PAGODA_* environment variable (read now, not at import)."""
     from pagoda.engine.config import QUANTIZATIONS  # torch-free
@@ -71,6 +81,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--max-model-len", "MAX_MODEL_LEN", "context length (default: the checkpoint's)", type=int)
     opt("--max-queue-len", "MAX_QUEUE_LEN", "most waiting requests; more get RESOURCE_EXHAUSTED (default: 1024)",
         type=int, default=1024)
+    opt("--max-queue-wait", "MAX_QUEUE_WAIT", "seconds a request may wait in the queue without being scheduled; "
+        "then it is refused with RESOURCE_EXHAUSTED (HTTP 429, Retry-After); 0: no limit (default: 0)", type=_seconds,
+        default=0.0)
     opt("--attention-backend", "ATTENTION_BACKEND", "attention implementation: triton (CUDA), cpu (a C++ op), "
         "torch (SDPA, anywhere); default auto: triton on CUDA, cpu on CPU", default="auto",
         choices=["auto", "torch", "triton", "cpu"])
@@ -243,6 +256,7 @@ def engine_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         max_queue_len=args.max_queue_len,
+        max_queue_wait_s=args.max_queue_wait or None,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.prefix_caching == "on",
         enforce_eager=args.enforce_eager == "on",

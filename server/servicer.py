@@ -206,7 +206,8 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
             return convert.model_info(info, limits=self.state.limits,
                                       max_message_bytes=o.max_message_bytes,
                                       max_concurrent_streams=o.max_concurrent_streams,
-                                      request_timeout=o.request_timeout)
+                                      request_timeout=o.request_timeout,
+                                      max_queue_wait=engine.config.max_queue_wait_s)
 
     async def GetStats(self, request, context):
         async with self._call(context, "GetStats", request) as engine:

@@ -40,6 +40,11 @@ CHUNK_ALLOWANCES = {"completion": "choices.items.finish_reason: null"}
 # own API, and vLLM, send null for it in token_logprobs and top_logprobs, whose items the
 # specification types as number and object only.
 ECHO_ALLOWANCE = "CreateCompletionResponse choices.items.logprobs: token_logprobs and top_logprobs items may be null"
+# A request with pagoda's time_limit_ms extra field that runs out of time ends with finish_reason
+# "time_limit" (never "length": a client must be able to tell them apart); the specification's enums
+# lack it, so it is added to the finish_reason enums of the completion and chat responses and chunks.
+TIME_LIMIT_ALLOWANCE = "finish_reason may also be \"time_limit\" (pagoda's time_limit_ms)"
+TIME_LIMIT_SCHEMAS = ("CreateCompletionResponse", "CreateChatCompletionResponse", "CreateChatCompletionStreamResponse")
 TESTS_URI = "urn:pagoda-tests"
 
 
@@ -58,7 +63,16 @@ def spec() -> dict:
     """The specification as JSON data, each `nullable: true` read as "or null". Callers must not change it."""
     out = _json_schema(raw_spec())
     _allow_echoed_first_token(out["components"]["schemas"]["CreateCompletionResponse"])
+    for name in TIME_LIMIT_SCHEMAS:
+        _allow_time_limit(out["components"]["schemas"][name])
     return out
+
+
+def _allow_time_limit(schema: dict) -> None:
+    """TIME_LIMIT_ALLOWANCE, in place: "time_limit" joins the choices' finish_reason enum, nothing else."""
+    reason = schema["properties"]["choices"]["items"]["properties"]["finish_reason"]
+    string = next(s for s in reason.get("anyOf", [reason]) if s.get("type") == "string")
+    string["enum"] = [*string["enum"], "time_limit"]
 
 
 def _allow_echoed_first_token(schema: dict) -> None:

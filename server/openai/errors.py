@@ -1,6 +1,8 @@
 """OpenAI's error object, from any exception through server/state.py's one map (status_for, HTTP_STATUS)."""
 from __future__ import annotations
 
+import math
+
 import orjson
 from fastapi.responses import Response
 
@@ -35,5 +37,7 @@ def error_parts(e: Exception) -> tuple[int, str, str | None, str | None]:
 
 def error_for(e: Exception) -> Response:
     status, message, param, code = error_parts(e)
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    # seconds, a whole number >= 1 (RFC 9110): the queue-wait estimate where the refusal has one
+    wait = getattr(e, "retry_after", None) or 1
+    headers = {"Retry-After": str(max(1, math.ceil(wait)))} if status in (429, 503) else None
     return error_response(status, message, param, headers, code)

@@ -77,6 +77,7 @@ class _Sampling(_Fields):
     logit_bias: dict[str, float] | None = None  # token id (a string, as OpenAI's) -> bias in [-100, 100]
     bad_words: list[str] | None = None
     prompt_logprobs: Int | None = None  # vLLM's: each prompt token's logprob, with this many alternatives
+    time_limit_ms: Int | None = None  # pagoda's: end with what was generated (finish_reason "time_limit")
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsBody | None = None
@@ -180,7 +181,7 @@ def sampling_params(body: _Sampling, max_tokens: int | None, logprobs: int | Non
     """The request's SamplingParams; InvalidRequestError (its field) for a bad value."""
     check_unsupported(body)
     names = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-             "repetition_penalty", "min_tokens", "truncate_prompt_tokens", "prompt_logprobs")
+             "repetition_penalty", "min_tokens", "truncate_prompt_tokens", "prompt_logprobs", "time_limit_ms")
     kw = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     if prompt_logprobs is not None:
         kw["prompt_logprobs"] = max(prompt_logprobs, kw.get("prompt_logprobs") or 0)

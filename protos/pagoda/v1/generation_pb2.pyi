@@ -16,6 +16,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
     FINISH_REASON_GRAMMAR: _ClassVar[FinishReason]
+    FINISH_REASON_TIME_LIMIT: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
@@ -23,6 +24,7 @@ FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 FINISH_REASON_GRAMMAR: FinishReason
+FINISH_REASON_TIME_LIMIT: FinishReason
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -130,7 +132,7 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output", "time_limit_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TIME_LIMIT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -161,10 +164,11 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: int
     echo: bool
     structured_output: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    time_limit_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., time_limit_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output", "time_limit_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +184,7 @@ class GenerateStreamRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TIME_LIMIT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -195,7 +200,8 @@ class GenerateStreamRequest(_message.Message):
     prompt_logprobs: int
     echo: bool
     structured_output: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    time_limit_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., time_limit_ms: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -308,7 +314,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_num_seqs", "max_num_batched_tokens", "max_queue_len", "default_max_tokens", "max_top_logprobs", "max_prompt_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_len", "max_stop_token_ids", "max_message_bytes", "max_concurrent_streams", "request_timeout_seconds", "max_logit_bias", "max_bad_words", "max_n", "max_prompt_logprobs", "max_grammar_bytes", "grammar_compile_timeout_seconds")
+    __slots__ = ("max_num_seqs", "max_num_batched_tokens", "max_queue_len", "default_max_tokens", "max_top_logprobs", "max_prompt_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_len", "max_stop_token_ids", "max_message_bytes", "max_concurrent_streams", "request_timeout_seconds", "max_logit_bias", "max_bad_words", "max_n", "max_prompt_logprobs", "max_grammar_bytes", "grammar_compile_timeout_seconds", "max_queue_wait_seconds")
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +334,7 @@ class ServerLimits(_message.Message):
     MAX_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAMMAR_BYTES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_COMPILE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     max_num_seqs: int
     max_num_batched_tokens: int
     max_queue_len: int
@@ -347,7 +354,8 @@ class ServerLimits(_message.Message):
     max_prompt_logprobs: int
     max_grammar_bytes: int
     grammar_compile_timeout_seconds: float
-    def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_len: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., request_timeout_seconds: _Optional[float] = ..., max_logit_bias: _Optional[int] = ..., max_bad_words: _Optional[int] = ..., max_n: _Optional[int] = ..., max_prompt_logprobs: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., grammar_compile_timeout_seconds: _Optional[float] = ...) -> None: ...
+    max_queue_wait_seconds: float
+    def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_len: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., request_timeout_seconds: _Optional[float] = ..., max_logit_bias: _Optional[int] = ..., max_bad_words: _Optional[int] = ..., max_n: _Optional[int] = ..., max_prompt_logprobs: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., grammar_compile_timeout_seconds: _Optional[float] = ..., max_queue_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("model_id", "architecture", "dtype", "context_length", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "limits", "quantization")
@@ -378,7 +386,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_tokens_per_second", "finished_per_second")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +399,9 @@ class GetStatsResponse(_message.Message):
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_ESTIMATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -403,4 +414,7 @@ class GetStatsResponse(_message.Message):
     kv_blocks_cached: int
     cached_prompt_tokens: int
     prefix_cache_hit_rate: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    queue_wait_estimate_seconds: float
+    step_tokens_per_second: float
+    finished_per_second: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_tokens_per_second: _Optional[float] = ..., finished_per_second: _Optional[float] = ...) -> None: ...
