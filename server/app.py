@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 
 import grpc
@@ -122,6 +123,7 @@ class PagodaServer:
         self.load_error: BaseException | None = None
         self.died = asyncio.Event()  # the engine died while serving (server/main.py then exits 1)
         self._load_task: asyncio.Task | None = None
+        self._own_tracing = None
 
     async def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):
@@ -130,6 +132,10 @@ class PagodaServer:
     async def start(self) -> int:
         """Listens (health NOT_SERVING) and starts loading the engine; returns the bound port."""
         credentials = self._credentials()  # reads the PEM files: a missing one fails before listening
+        if self.state.tracing is None:  # unless given (tests): as the OTEL_* environment says, read now
+            from pagoda.server.tracing import from_env
+
+            self.state.tracing = self._own_tracing = from_env(os.environ)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         add_servicer_to_server(GrpcServicer(self.state), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -227,6 +233,8 @@ class PagodaServer:
         if self._http is not None:
             await self._http.stop()
         self.metrics.stop_http()
+        if self._own_tracing is not None:
+            await asyncio.to_thread(self._own_tracing.shutdown)  # exports the spans still batched
         engine = self.state.engine
         if engine is not None:
             # Calls cancelled at the end of the grace period abort their requests; let the engine's

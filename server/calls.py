@@ -22,7 +22,7 @@ def open_requests(state: ServerState, engine, reqs: list, record, stack,
     for r in reqs:
         streams.append(engine.open(r))
         stack.push_async_callback(streams[-1].aclose)
-    record.submitted()
+    record.submitted(reqs)
     _time_limit(state, engine, reqs, record.t0, stack, call_id)
     merged = merge_streams(streams)
     stack.push_async_callback(merged.aclose)
@@ -33,7 +33,7 @@ def open_requests(state: ServerState, engine, reqs: list, record, stack,
 
 async def _booked(outputs, record):
     async for i, out in outputs:
-        record.output(out)
+        record.output(out, i)
         yield i, out
 
 

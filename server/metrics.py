@@ -4,8 +4,10 @@ structured request log.
 Each PagodaServer has its own CollectorRegistry (so several servers in one process, as in the tests,
 do not collide), served over HTTP by prometheus_client's start_http_server on --metrics-port.
 
-From the handlers: pagoda_requests_total{method, code}; histograms of time to first token,
-inter-token latency, queue time and end-to-end latency; tokens in/out per finished request.
+From the handlers: pagoda_requests_total{method, code}; histograms by door (grpc, http) of time to
+first token, inter-token latency and end-to-end latency per call, and per completion, from the stamps
+the engine reports, of the phases a trace shows (server/tracing.py): queue time, prefill time, decode
+time, time per output token; tokens in/out per finished request.
 From the engine, read at scrape time (EngineCollector): KV blocks used/free/total, running and
 waiting requests, preemptions, prompt tokens processed, tokens generated.
 """
@@ -57,17 +59,23 @@ class Metrics:
         r = self.registry
         self.requests = Counter("pagoda_requests", "gRPC calls finished, by method and status code",
                                 ["method", "code"], registry=r)
+        door = ["door"]  # grpc or http
         self.ttft = Histogram("pagoda_time_to_first_token_seconds",
-                              "from a generation call's arrival to its first token", buckets=LATENCY_BUCKETS,
+                              "from a generation call's arrival to its first token", door, buckets=LATENCY_BUCKETS,
                               registry=r)
         self.itl = Histogram("pagoda_inter_token_latency_seconds", "between successive tokens of a completion",
-                             buckets=TOKEN_BUCKETS, registry=r)
-        self.queue = Histogram("pagoda_queue_time_seconds",
-                               "from handing a request to the engine to its first output (waiting in the queue "
-                               "plus the prefill: the engine does not report admission)", buckets=LATENCY_BUCKETS,
-                               registry=r)
+                             door, buckets=TOKEN_BUCKETS, registry=r)
+        self.queue = Histogram("pagoda_queue_time_seconds", "a completion's wait in the engine's queue, from its "
+                               "arrival to its first scheduling", door, buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("pagoda_prefill_time_seconds", "a completion's prefill, from its first scheduling "
+                                 "to its first token (chunks and recomputes included)", door,
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram("pagoda_decode_time_seconds", "a completion's decode, from its first token to its "
+                                "end", door, buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pagoda_time_per_output_token_seconds", "a completion's decode time over its tokens "
+                              "after the first", door, buckets=TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("pagoda_e2e_request_latency_seconds",
-                             "from a generation call's arrival to its last token (calls finished OK)",
+                             "from a generation call's arrival to its last token (calls finished OK)", door,
                              buckets=LATENCY_BUCKETS, registry=r)
         self.completion_tokens = Counter("pagoda_completion_tokens", "tokens sent in finished generation calls",
                                          registry=r)
@@ -100,7 +108,13 @@ class RequestRecord:
 
     def __init__(self, method: str, peer: str = ""):
         self.method = method
+        self.door = "http" if method.startswith("POST ") else "grpc"
         self.peer = peer
+        self.model = ""
+        self.n, self.num_prompts = 1, 0
+        self.trace_parent = None  # the caller's trace context (server/tracing.py), when tracing is on
+        self.lasts: dict = {}  # (prompt index, choice index) -> its latest output (the engine's stamps)
+        self.t_end: float | None = None
         self.request_id = ""
         self.t0 = time.monotonic()
         self.t_engine: float | None = None  # handed to the engine
@@ -114,16 +128,18 @@ class RequestRecord:
         self.itl: list[float] = []
         self.engine_queue_s: float | None = None  # from the engine, when it reports it
 
-    def submitted(self) -> None:
+    def submitted(self, reqs=()) -> None:
         self.t_engine = time.monotonic()
+        if reqs:
+            self.n, self.num_prompts = reqs[0].params.n, len(reqs)
 
-    def output(self, out) -> None:
-        """An engine delta (RequestOutput) on its way to the client."""
+    def output(self, out, prompt_index: int = 0) -> None:
+        """An engine delta (RequestOutput) of prompt `prompt_index` on its way to the client."""
         now = time.monotonic()
-        m = getattr(out, "metrics", None)  # if the engine ever reports admission (notes/hardening.md)
-        if m is not None and getattr(m, "first_scheduled_time", None) is not None \
-                and getattr(m, "arrival_time", None) is not None:
-            self.engine_queue_s = m.first_scheduled_time - m.arrival_time
+        if out.metrics is not None:
+            self.lasts[prompt_index, out.index] = out
+            if out.metrics.first_scheduled_time is not None:
+                self.engine_queue_s = out.metrics.first_scheduled_time - out.metrics.arrival_time
         self.prompt_tokens = out.num_prompt_tokens
         self.cached_tokens = out.num_cached_tokens
         self.generated_by_index[out.index] = out.num_generated_tokens
@@ -139,27 +155,45 @@ class RequestRecord:
         if out.finished:
             self.finish_reasons.append(out.stop_reason or out.finish_reason or "")
 
+    def _observe_phases(self, metrics: Metrics) -> None:
+        """Each completion's phases, from the engine's stamps (those it got through)."""
+        for out in self.lasts.values():
+            m = out.metrics
+            if m.first_scheduled_time is not None:
+                metrics.queue.labels(self.door).observe(m.first_scheduled_time - m.arrival_time)
+                if m.first_token_time is not None:
+                    metrics.prefill.labels(self.door).observe(m.first_token_time - m.first_scheduled_time)
+            if m.first_token_time is not None and m.finished_time is not None:
+                decode = m.finished_time - m.first_token_time
+                metrics.decode.labels(self.door).observe(decode)
+                if out.num_generated_tokens > 1:
+                    metrics.tpot.labels(self.door).observe(decode / (out.num_generated_tokens - 1))
+
     @property
     def completion_tokens(self) -> int:
         return sum(self.generated_by_index.values())
 
-    def finish(self, code: str, metrics: Metrics | None) -> dict:
-        end = time.monotonic()
+    def finish(self, code: str, metrics: Metrics | None, tracing=None) -> dict:
+        self.t_end = end = time.monotonic()
         ttft = None if self.t_first is None else self.t_first - self.t0
-        queue = None if self.t_first is None or self.t_engine is None else self.t_first - self.t_engine
-        if self.engine_queue_s is not None:
-            queue = self.engine_queue_s
+        queue = self.engine_queue_s
         e2e = end - self.t0
         if metrics is not None:
+            door = self.door
             if ttft is not None:
-                metrics.ttft.observe(ttft)
-            if queue is not None:
-                metrics.queue.observe(queue)
+                metrics.ttft.labels(door).observe(ttft)
+            itl = metrics.itl.labels(door)
             for gap in self.itl:
-                metrics.itl.observe(gap)
+                itl.observe(gap)
             if code == "OK":
-                metrics.e2e.observe(e2e)
+                metrics.e2e.labels(door).observe(e2e)
+            self._observe_phases(metrics)
             metrics.completion_tokens.inc(self.completion_tokens)
+        if tracing is not None:
+            try:
+                tracing.record_call(self, code)
+            except Exception:  # a trace is never worth a failed call
+                logging.getLogger("pagoda.server").exception("building the trace of %s failed", self.request_id)
         line = {
             "event": "request_finished", "request_id": self.request_id, "method": self.method, "status": code,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

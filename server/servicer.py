@@ -132,7 +132,7 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
             if metrics is not None:
                 metrics.requests.labels(method, code.name).inc()
             if record is not None:
-                record.finish(code.name, metrics)
+                record.finish(code.name, metrics, state.tracing)
 
     async def _open(self, engine, request, context, record, stack):
         """The request's EngineRequests (one per prompt) and their (prompt index, delta) pairs
@@ -153,7 +153,12 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
     def _record(self, method: str, context):
         from pagoda.server.metrics import RequestRecord
 
-        return RequestRecord(method, peer=context.peer() or "")
+        record = RequestRecord(method, peer=context.peer() or "")
+        if self.state.tracing is not None:
+            record.trace_parent = self.state.tracing.parent(context.invocation_metadata() or ())
+            names = self.state.served_model_names()
+            record.model = names[0] if names else ""
+        return record
 
     async def Generate(self, request, context):
         record = self._record("Generate", context)

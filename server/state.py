@@ -82,6 +82,7 @@ class ServerState:
         self.options = options or ServerOptions()
         self.limits = self.options.request_limits()
         self.metrics = metrics  # server.metrics.Metrics, or None
+        self.tracing = None  # server.tracing.Tracing when the OTEL_* environment turns it on
 
     def served_model_names(self) -> list[str]:
         """The names requests may give the model (--served-model-name), the first one reported;

@@ -47,6 +47,9 @@ class Serving:
         from pagoda.server.metrics import RequestRecord
 
         record = RequestRecord(f"POST {request.url.path}", peer=request.client.host if request.client else "")
+        if self.state.tracing is not None:
+            record.trace_parent = self.state.tracing.parent(request.headers)
+            record.model = self.model_id()
         stack = contextlib.AsyncExitStack()
         try:
             engine = stack.enter_context(self.state.admit(generation=True))
@@ -95,7 +98,7 @@ class Serving:
         metrics = self.state.metrics
         if metrics is not None:
             metrics.requests.labels(record.method, code.name).inc()
-        record.finish(code.name, metrics)
+        record.finish(code.name, metrics, self.state.tracing)
 
     def plain(self, work) -> Response:
         """A call that is not a generation: admitted, work(engine) -> the body; an error response else."""
