@@ -65,7 +65,7 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
                   bad_words: Iterable[str] = (), prompt_logprobs: int | None = None, echo: bool = False,
                   prompts: Iterable[str | Sequence[int]] | None = None, json_schema: str | dict | None = None,
                   json_object: bool = False, regex: str | None = None, choice: Iterable[str] | None = None,
-                  grammar: str | None = None):
+                  grammar: str | None = None, time_limit_ms: int | None = None):
     """A GenerateRequest (or GenerateStreamRequest with stream=True). The prompt is text (str), token
     ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts; or
     `prompts`, several texts or token id lists completed in one call (one result each, in order).
@@ -110,7 +110,8 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
     if include_stop_str_in_output is not None:
         req.stopping.include_stop_str_in_output = include_stop_str_in_output
     for name, value in (("skip_special_tokens", skip_special_tokens),
-                        ("truncate_prompt_tokens", truncate_prompt_tokens), ("prompt_logprobs", prompt_logprobs)):
+                        ("truncate_prompt_tokens", truncate_prompt_tokens), ("prompt_logprobs", prompt_logprobs),
+                        ("time_limit_ms", time_limit_ms)):
         if value is not None:
             setattr(req, name, value)
     req.logprobs = logprobs

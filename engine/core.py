@@ -287,7 +287,7 @@ class EngineCore:
                            s.num_generated_tokens, s.num_preemptions, now - self.started,
                            b.num_cached_blocks, s.num_prompt_tokens_cached,
                            s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0,
-                           s.num_waiting_tokens, max(0, s.max_num_seqs - len(s.running)), s.step_tokens_per_s,
+                           s.num_waiting_tokens, max(0, s.max_num_seqs - len(s.running)), s.max_num_batched_tokens, s.step_s,
                            finished_per_s(s.finish_times, now))
 
     def model_info(self) -> ModelInfo:

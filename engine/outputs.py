@@ -104,17 +104,19 @@ class EngineStats:
     # measured rates behind the queue-wait estimate (queue_wait_s)
     num_waiting_tokens: int = 0  # tokens of the waiting sequences (prompt, and generated ones to recompute)
     num_free_seats: int = 0  # max_num_seqs less the running sequences
-    step_tokens_per_s: float = 0.0  # tokens computed per second of step time (moving average)
+    step_token_budget: int = 1  # max_num_batched_tokens
+    step_s: float = 0.0  # seconds per step (moving average)
     finished_per_s: float = 0.0  # sequences finished per second, over the last ones
 
     def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
         """How long `num_seqs` more sequences (holding `num_tokens` more tokens) would wait before all
-        are scheduled: the slower of computing the prompts queued before them at the measured step
-        rate, and freeing seats at the measured finish rate. 0 until the engine has measured them."""
-        compute = (self.num_waiting_tokens + num_tokens) / self.step_tokens_per_s if self.step_tokens_per_s else 0.0
+        are scheduled: the slower of computing the tokens queued before them (steps of at most the
+        token budget, each taking the measured step time: a step's time hardly grows with its tokens
+        while weights dominate), and freeing seats at the measured finish rate. 0 until measured."""
+        steps = -(-(self.num_waiting_tokens + num_tokens) // self.step_token_budget)
         short = self.num_waiting + num_seqs - self.num_free_seats
         seats = short / self.finished_per_s if short > 0 and self.finished_per_s else 0.0
-        return max(compute, seats)
+        return max(steps * self.step_s, seats)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class Scheduler:
         self._tiebreak = itertools.count()
         # what the queue-wait estimate (EngineStats.queue_wait_s) is made of
         self.num_waiting_tokens = 0
-        self.step_tokens_per_s = 0.0  # moving average over steps
+        self.step_s = 0.0  # seconds per step, a moving average
         self.finish_times: collections.deque = collections.deque(maxlen=64)
 
     def add(self, seq: Sequence) -> None:
@@ -163,8 +163,7 @@ class Scheduler:
         """Advance computed counts, append each sampling seq's new tokens (a list per seq, in order),
         finish sequences that stop. Returns the sequences that got tokens or finished."""
         changed, rows, now = [], iter(tokens), time.monotonic()
-        if now > out.start_time:
-            self.step_tokens_per_s += 0.2 * (out.num_tokens / (now - out.start_time) - self.step_tokens_per_s)
+        self.step_s += 0.2 * (now - out.start_time - self.step_s)
         for seq, n, k in zip(out.seqs, out.num_new_tokens, out.num_sampled):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_processed += n

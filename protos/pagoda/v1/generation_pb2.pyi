@@ -386,7 +386,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_tokens_per_second", "finished_per_second")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_seconds", "finished_per_second")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -400,7 +400,7 @@ class GetStatsResponse(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_ESTIMATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    STEP_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
@@ -415,6 +415,6 @@ class GetStatsResponse(_message.Message):
     cached_prompt_tokens: int
     prefix_cache_hit_rate: float
     queue_wait_estimate_seconds: float
-    step_tokens_per_second: float
+    step_seconds: float
     finished_per_second: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_tokens_per_second: _Optional[float] = ..., finished_per_second: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., finished_per_second: _Optional[float] = ...) -> None: ...
