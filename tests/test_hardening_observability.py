@@ -82,14 +82,19 @@ def test_metrics_move(srv):
     assert value(after, "pagoda_requests_total", method="Generate", code="INVALID_ARGUMENT") >= 1
     assert value(after, "pagoda_requests_total", method="GetStats", code="OK") >= 1
     for hist in ("pagoda_time_to_first_token_seconds", "pagoda_inter_token_latency_seconds",
-                 "pagoda_queue_time_seconds", "pagoda_e2e_request_latency_seconds"):
-        assert value(after, f"{hist}_count") > value(before, f"{hist}_count"), hist
-        assert value(after, f"{hist}_bucket", le="+Inf") == value(after, f"{hist}_count")
+                 "pagoda_queue_time_seconds", "pagoda_e2e_request_latency_seconds", "pagoda_prefill_time_seconds",
+                 "pagoda_decode_time_seconds", "pagoda_time_per_output_token_seconds"):
+        assert value(after, f"{hist}_count", door="grpc") > value(before, f"{hist}_count", door="grpc"), hist
+        assert value(after, f"{hist}_bucket", door="grpc", le="+Inf") == value(after, f"{hist}_count", door="grpc")
     # a sample per token after each request's first message, which carries more than one token when
     # the consumer fell behind the engine (deltas merged): most of 8 x 59
-    assert value(after, "pagoda_inter_token_latency_seconds_count") - \
-        value(before, "pagoda_inter_token_latency_seconds_count") >= 8 * 50
-    assert value(after, "pagoda_e2e_request_latency_seconds_sum") > value(before, "pagoda_e2e_request_latency_seconds_sum")
+    assert value(after, "pagoda_inter_token_latency_seconds_count", door="grpc") - \
+        value(before, "pagoda_inter_token_latency_seconds_count", door="grpc") >= 8 * 50
+    # a decode per finished completion: 3 + 8 Generate calls and 1 stream (the cancelled one has no end)
+    assert value(after, "pagoda_decode_time_seconds_count", door="grpc") - \
+        value(before, "pagoda_decode_time_seconds_count", door="grpc") == 3 + 8 + 1
+    assert value(after, "pagoda_e2e_request_latency_seconds_sum", door="grpc") > \
+        value(before, "pagoda_e2e_request_latency_seconds_sum", door="grpc")
     assert value(after, "pagoda_generation_tokens_total") - value(before, "pagoda_generation_tokens_total") >= 8 * 60
     assert value(after, "pagoda_completion_tokens_total") - value(before, "pagoda_completion_tokens_total") >= 8 * 60
     assert value(after, "pagoda_prompt_tokens_total") > value(before, "pagoda_prompt_tokens_total")
