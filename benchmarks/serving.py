@@ -227,9 +227,9 @@ def pagoda_command() -> list[str]:
 
 
 @contextlib.contextmanager
-def spawned_server(path: str, args):
+def spawned_server(path: str, args, env: dict | None = None):
     """`pagoda serve` on free loopback ports (gRPC, HTTP), until SERVING; SIGTERM on the way out.
-    Yields {"grpc": host:port, "http": base URL}."""
+    Yields {"grpc": host:port, "http": base URL}. `env`: its OTEL_* variables (none: tracing off)."""
     port, http_port = free_port(), free_port()
     cmd = pagoda_command() + ["serve", "--model", path, "--host", "127.0.0.1", "--port", str(port),
                               "--http-port", str(http_port),
@@ -240,7 +240,8 @@ def spawned_server(path: str, args):
     cmd += shlex.split(args.server_args or "")
     log = tempfile.NamedTemporaryFile("w+", prefix="pagoda-serve-", suffix=".log", delete=False)
     print(f"starting: {shlex.join(cmd)} (log {log.name})", file=sys.stderr)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=common.ROOT, env={**environ, **(env or {})})
     try:
         wait_serving(f"127.0.0.1:{port}", proc, args.server_timeout, log.name)
         yield {"grpc": f"127.0.0.1:{port}", "http": f"http://127.0.0.1:{http_port}"}
@@ -278,6 +279,64 @@ def stop_server(proc) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ---- tracing on vs off ----
+
+@contextlib.contextmanager
+def discarding_otlp_receiver():
+    """An OTLP/HTTP endpoint (a thread of this process) that reads each export, counts it and answers
+    200 with an empty ExportTraceServiceResponse. Yields (endpoint URL, {"exports", "bytes"})."""
+    import http.server
+    import threading
+
+    seen = {"exports": 0, "bytes": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen["bytes"] += len(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            seen["exports"] += 1
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def tracing_compare(path: str, workload, warmup, args) -> str:
+    """--tracing-compare N: N rounds, each of a fresh server with tracing off and one with tracing on
+    (OTLP/HTTP to discarding_otlp_receiver), in alternating order (ABBA); output throughput of each,
+    and on/off over all rounds."""
+    rows, on_total, off_total = [], 0.0, 0.0
+    with discarding_otlp_receiver() as (endpoint, seen):
+        env_on = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "pagoda-bench"}
+        for r in range(args.tracing_compare):
+            tps = {}
+            for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                with spawned_server(path, args, env_on if name == "on" else None) as targets:
+                    records, duration = run_serving(targets["grpc"], workload, warmup, args, "grpc")
+                bad = [rec for rec in records if not rec.ok]
+                if bad:
+                    raise SystemExit(f"ERROR tracing {name}: request {bad[0].index}: {bad[0].problem()}")
+                tps[name] = metrics(records, duration)["output_tokens_per_s"]
+            on_total, off_total = on_total + tps["on"], off_total + tps["off"]
+            rows.append(f"| {r + 1} | {tps['off']:.1f} | {tps['on']:.1f} | {tps['on'] / tps['off']:.3f} |")
+        exports = dict(seen)
+    return "\n".join(["| round | tracing off, tok/s | tracing on, tok/s | on/off |", "|---|---|---|---|", *rows,
+                      f"| all | {off_total / len(rows):.1f} | {on_total / len(rows):.1f} | "
+                      f"{on_total / off_total:.3f} |", "",
+                      f"The receiver got {exports['exports']} OTLP exports ({exports['bytes']} bytes) from the "
+                      f"servers with tracing on."])
 
 
 # ---- offline comparison ----
@@ -349,6 +408,10 @@ def parse_args(argv=None):
                    help="also run the workload offline (throughput.py, pagoda only, another process, after "
                         "the serving run) and report serving/offline throughput")
     o.add_argument("--offline-json", metavar="PATH", help="read the offline numbers from a throughput.py --json")
+    o.add_argument("--tracing-compare", type=int, metavar="ROUNDS",
+                   help="with --spawn-server over gRPC: ROUNDS rounds of a server with tracing off and one with "
+                        "OpenTelemetry tracing on (OTLP/HTTP to a receiver here that discards it), interleaved, "
+                        "and the throughput ratio")
     p.add_argument("--json", metavar="PATH", help="write the measurements here")
     common.add_results_args(p)
     p.add_argument("--no-progress", action="store_true")
@@ -384,6 +447,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     path = common.model_path(args)
     workload, warmup = common.workloads(args, path)
+    if args.tracing_compare:
+        if not args.spawn_server or args.protocol != "grpc":
+            sys.exit("--tracing-compare needs --spawn-server and --protocol grpc")
+        text = describe(args, path, workload, "fresh servers") + "\n\n" + tracing_compare(path, workload, warmup, args)
+        print(text)
+        if not args.no_results:
+            common.append_results(args.results, "tracing on vs off (benchmarks/serving.py --tracing-compare)", text)
+        return 0
     protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
     given = {"grpc": args.target, "http": args.http_target}
     runs, used = {}, []
