@@ -317,7 +317,7 @@ def tracing_compare(path: str, workload, warmup, args) -> str:
     """--tracing-compare N: N rounds, each of a fresh server with tracing off and one with tracing on
     (OTLP/HTTP to discarding_otlp_receiver), in alternating order (ABBA); output throughput of each,
     and on/off over all rounds."""
-    rows, on_total, off_total = [], 0.0, 0.0
+    rows, ratios, on_total, off_total = [], [], 0.0, 0.0
     with discarding_otlp_receiver() as (endpoint, seen):
         env_on = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "pagoda-bench"}
         for r in range(args.tracing_compare):
@@ -330,11 +330,12 @@ def tracing_compare(path: str, workload, warmup, args) -> str:
                     raise SystemExit(f"ERROR tracing {name}: request {bad[0].index}: {bad[0].problem()}")
                 tps[name] = metrics(records, duration)["output_tokens_per_s"]
             on_total, off_total = on_total + tps["on"], off_total + tps["off"]
-            rows.append(f"| {r + 1} | {tps['off']:.1f} | {tps['on']:.1f} | {tps['on'] / tps['off']:.3f} |")
+            ratios.append(tps["on"] / tps["off"])
+            rows.append(f"| {r + 1} | {tps['off']:.1f} | {tps['on']:.1f} | {ratios[-1]:.3f} |")
         exports = dict(seen)
     return "\n".join(["| round | tracing off, tok/s | tracing on, tok/s | on/off |", "|---|---|---|---|", *rows,
                       f"| all | {off_total / len(rows):.1f} | {on_total / len(rows):.1f} | "
-                      f"{on_total / off_total:.3f} |", "",
+                      f"{on_total / off_total:.3f} |", f"| median of rounds | | | {float(np.median(ratios)):.3f} |", "",
                       f"The receiver got {exports['exports']} OTLP exports ({exports['bytes']} bytes) from the "
                       f"servers with tracing on."])
 

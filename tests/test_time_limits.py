@@ -250,3 +250,19 @@ def test_admission_refuses_a_time_limit_the_queue_outlasts(flood_srv):
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "cannot be met" in e.value.details()
         stream.cancel()
         wait_all_blocks_free(c)
+
+
+# ---- the flag ----
+
+def test_max_queue_wait_flag(capsys):
+    from pagoda.client.cli import build_parser
+    from pagoda.server.main import engine_config
+
+    assert engine_config(build_parser().parse_args(["serve"])).max_queue_wait_s is None
+    assert engine_config(build_parser().parse_args(["serve", "--max-queue-wait", "2.5"])).max_queue_wait_s == 2.5
+    for bad in ("-1", "soon", "inf"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-queue-wait", bad])
+        assert "--max-queue-wait: must be a number of seconds >= 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_queue_wait_s"):
+        EngineConfig(max_queue_wait_s=0)
