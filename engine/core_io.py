@@ -27,6 +27,7 @@ class EngineRequest:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     prompt_text: str | None = None  # the prompt as the caller wrote it, when given as whole text
     grammar: str | None = None  # params.structured_outputs, compiled (engine/structured.py)
+    grammar_compile_s: float | None = None  # how long compiling it took, just before arrival_time (traces)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ model's context and vocabulary (make_request). Every failure is an InvalidReques
 `field` is the engine's name for the input; each protocol renames it to its own spelling
 (server/convert.py: `max_tokens` -> `stopping.max_tokens`)."""
 import math
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -204,12 +205,15 @@ def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: s
         params = params.replace(max_tokens=max_tokens)
     bad = bad_words_token_ids(params.bad_words, tokenizer)
     text = prompt if isinstance(prompt, str) and not params.truncate_prompt_tokens else None
-    grammar = None
+    grammar, compile_s = None, None
     if params.structured_outputs is not None:
         if grammars is None:
             raise InvalidRequestError("structured_outputs", "are not available here (no grammar compiler)")
+        t0 = time.monotonic()
         grammar = grammars.compile(params.structured_outputs, limits.max_grammar_bytes, limits.grammar_compile_timeout)
+        compile_s = time.monotonic() - t0
     return EngineRequest(request_id, ids, params, priority, stream, bad_words_token_ids=bad, prompt_text=text,
+                         grammar_compile_s=compile_s,
                          grammar=grammar)
 
 

@@ -115,6 +115,7 @@ class RequestRecord:
         self.trace_parent = None  # the caller's trace context (server/tracing.py), when tracing is on
         self.lasts: dict = {}  # (prompt index, choice index) -> its latest output (the engine's stamps)
         self.t_end: float | None = None
+        self.grammar_compiles: list[tuple[float, float]] = []  # (start, end) of each prompt's grammar compile
         self.request_id = ""
         self.t0 = time.monotonic()
         self.t_engine: float | None = None  # handed to the engine
@@ -132,6 +133,8 @@ class RequestRecord:
         self.t_engine = time.monotonic()
         if reqs:
             self.n, self.num_prompts = reqs[0].params.n, len(reqs)
+            self.grammar_compiles = [(r.arrival_time - r.grammar_compile_s, r.arrival_time) for r in reqs
+                                     if r.grammar_compile_s is not None]
 
     def output(self, out, prompt_index: int = 0) -> None:
         """An engine delta (RequestOutput) of prompt `prompt_index` on its way to the client."""

@@ -6,7 +6,8 @@ metrics.py RequestRecord) and those the engine core reported in each completion'
 knows about tracing, and a server with tracing off does no tracing work at all.
 
     <call>           pagoda.v1.GenerationService/Generate(Stream), or POST /v1/completions ...
-      validate       the request checked, its prompt rendered and tokenized, its grammar compiled, admitted
+      validate       the request checked, its prompt rendered and tokenized, admitted
+        grammar_compile  a structured output's grammar compiled (one per prompt)
       sequence       one per completion (prompts x n): arrival in the engine -> finished
         queue        waiting to be scheduled
         prefill      the prompt computed; an event per chunk (and per preemption before the first token)
@@ -92,7 +93,9 @@ class Tracing:
 
         ctx = set_span_in_context(call)
         t_admitted = record.t_engine if record.t_engine is not None else record.t_end
-        self._span("validate", ctx, ns(record.t0), ns(t_admitted))
+        validate = self._span("validate", ctx, ns(record.t0), ns(t_admitted))
+        for start, stop in record.grammar_compiles:
+            self._span("grammar_compile", set_span_in_context(validate), ns(start), ns(stop))
         ends = [self._sequence(ctx, ns, i, out, record.t_end) for (i, _), out in sorted(record.lasts.items())]
         if ends:
             self._span("stream_end", ctx, ns(max(ends)), ns(record.t_end))
