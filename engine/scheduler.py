@@ -85,6 +85,9 @@ class Scheduler:
                 error = f"it waited {now - seq.arrival_time:.3g}s in the queue, past this server's --max-queue-wait"
             self.finish(seq, reason, error)
             expired.append(seq)
+        if len(self.deadlines) > 64 + 2 * (len(self.waiting) + len(self.running)):  # mostly finished ones: drop them
+            self.deadlines = [d for d in self.deadlines if not d[2].is_finished]
+            heapq.heapify(self.deadlines)
         return expired
 
     def has_work(self) -> bool:

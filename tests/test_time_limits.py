@@ -5,6 +5,7 @@ Retry-After; a request whose time limit the queue before it is estimated to outl
 once. Steps are slowed (slow_steps) so that a limit of a second or two lands mid-generation."""
 import asyncio
 import dataclasses
+import time
 import types
 
 import grpc
@@ -71,6 +72,17 @@ def test_the_queue_wait_estimate_is_the_slower_of_compute_and_seats():
     assert s.queue_wait_s() == pytest.approx(3.0)  # 300 tokens: 3 steps of 1 s; 4 seats at 2/s is 2 s
     assert s.queue_wait_s(num_seqs=7) == pytest.approx(5.0)  # 10 seats at 2/s
     assert s.queue_wait_s(num_tokens=101) == pytest.approx(5.0)  # 401 tokens: 5 steps
+
+
+def test_finished_sequences_do_not_stay_in_the_deadline_heap():
+    bm = BlockManager(8, 4)
+    s = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=32)
+    seqs = [_seq(str(i), time.monotonic(), time_limit_ms=3_600_000) for i in range(200)]
+    for seq in seqs:
+        s.add(seq)
+    for seq in seqs[:-1]:
+        s.finish(seq, FinishReason.ABORT)
+    assert s.expire() == [] and [d[2] for d in s.deadlines] == [seqs[-1]]
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, 24 * 3600 * 1000 + 1])
