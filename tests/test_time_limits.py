@@ -199,6 +199,20 @@ def test_a_request_whose_limit_passes_in_the_queue_ends_empty(model):
         eng.shutdown()
 
 
+def test_time_limit_across_the_process_boundary(model):
+    """The core in a child process compares the deadline with its own clock (time.monotonic is system-wide)."""
+    eng = AsyncEngine(EngineConfig(model=model, num_kv_blocks=64, engine_process=True))
+    eng.start()
+    try:
+        outs = asyncio.run(_collect(eng, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True,
+                                                        time_limit_ms=100)))
+        assert outs[-1].finish_reason == "time_limit" and outs[-1].num_generated_tokens < 500
+        assert sum(len(o.token_ids) for o in outs) == outs[-1].num_generated_tokens
+        assert outs[-1].metrics.finished_time is not None and outs[-1].metrics.prefill_chunks
+    finally:
+        eng.shutdown()
+
+
 async def _collect(eng, params, prompt="Time flies"):
     return [o async for o in eng.generate(prompt, params)]
 
