@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.validation import check_text
 
 CHOICES = ("none", "auto", "required")
 # the separators every call is written with (Qwen's and Llama's own style: json.dumps' defaults)
@@ -258,6 +259,7 @@ def check_tools(tools, tool_choice=None, parallel_tool_calls=None) -> ToolReques
         return None
     if not isinstance(tools, list):
         raise InvalidRequestError("tools", "must be a list of {\"type\": \"function\", \"function\": {...}}")
+    check_text("tools", json.dumps(tools, ensure_ascii=False, default=str))
     seen = set()
     for i, t in enumerate(tools):
         where = f"tools[{i}]"

@@ -155,7 +155,7 @@ class DetokenizeRequest(_Fields):
 # Fields of OpenAI's that this server takes only at a value that changes nothing (besides null).
 _ONLY_DEFAULTS = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"], []), "moderation": (),
                   "audio": (), "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-                  "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+                  "functions": ([],), "function_call": ("none",),
                   "suffix": ("",)}
 
 
