@@ -101,7 +101,7 @@ class ToolFormat:
         calls, end, complete = self.parse_calls(text, start, names)
         if not final and not complete:
             return Scan(text[:start], calls, True)
-        rest = text[end:]
+        rest = text[end if calls else start:]
         return Scan(text[:start] + (rest if rest.strip() or not calls else ""), calls)
 
     def region(self, text: str) -> int:
@@ -201,14 +201,23 @@ class Mistral(ToolFormat):
 
     def parse_calls(self, text, start, names):
         pos = start + len(self.trigger)
-        try:
-            arr, end = json.JSONDecoder().raw_decode(text, pos)
-        except ValueError:
-            return [], start, False
-        calls = [self.call_of(o) for o in arr] if isinstance(arr, list) and arr else [None]
-        if any(c is None or c.name not in names for c in calls):
-            return [], start, True
-        return calls, end, True
+        if not text.startswith("[", pos):
+            return [], start, len(text) > pos
+        calls, pos, decoder = [], pos + 1, json.JSONDecoder()
+        while True:  # element by element: the calls before one cut short are whole
+            try:
+                obj, end = decoder.raw_decode(text, pos)
+            except ValueError:
+                return calls, pos, False
+            call = self.call_of(obj)
+            if call is None or call.name not in names:
+                return calls, pos, True
+            calls.append(call)
+            if text.startswith("]", end):
+                return calls, end + 1, True
+            if not text.startswith(", ", end):
+                return calls, end, not ", ".startswith(text[end:])
+            pos = end + 2
 
 
 FORMATS = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}
