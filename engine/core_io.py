@@ -27,6 +27,7 @@ class EngineRequest:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     prompt_text: str | None = None  # the prompt as the caller wrote it, when given as whole text
     grammar: str | None = None  # params.structured_outputs, compiled (engine/structured.py)
+    tool_parsing: object = None  # engine/tools.py ToolParsing: how its output's tool calls are read back
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,8 @@ FINISH_REASONS = {
     "length": FinishNames("length", "LENGTH"),
     "abort": FinishNames("abort", "ABORTED"),
     "error": FinishNames("error", "UNSPECIFIED"),
+    # not the engine's: a door's, for a completion that ended normally with tool calls (engine/tools.py)
+    "tool_calls": FinishNames("tool_calls", "TOOL_CALLS"),
 }
 
 

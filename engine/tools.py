@@ -365,3 +365,71 @@ def tool_format(tokenizer, name: str | None = None) -> ToolFormat:
     if fmt is None:
         raise InvalidRequestError("tools", "are not supported by this model: its chat template renders no tools")
     return fmt
+
+
+@dataclass(frozen=True)
+class ToolParsing:
+    """How a request's output is read back (kept on its EngineRequest): the format and the functions."""
+    format: str
+    names: frozenset
+
+    def scan(self, text: str) -> Scan:
+        return FORMATS[self.format].scan(text, self.names)
+
+    def stream(self) -> ToolStream:
+        return ToolStream(FORMATS[self.format], self.names)
+
+
+def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokenizer):
+    """(params, ToolParsing) of a request whose tools are rendered: with tool_choice other than none,
+    its output constrained to the format's calls (the markers kept in the text, which is parsed);
+    else (params, None). Every door goes through here."""
+    from pagoda.engine.structured import StructuredOutputs
+
+    if tools is None or not tools.constrains:
+        return params, None
+    if params.structured_outputs is not None:
+        raise InvalidRequestError("structured_outputs", f"conflicts with tool_choice {tools.choice!r}: set "
+                                                        f"tool_choice none for a structured answer")
+    grammar = tools.grammar(fmt, token_spelling(tokenizer))
+    return (params.replace(structured_outputs=StructuredOutputs(grammar=grammar), skip_special_tokens=False),
+            ToolParsing(fmt.name, frozenset(tools.names)))
+
+
+def with_parsing(make, parsing: ToolParsing | None):
+    """make() -> an EngineRequest, given its ToolParsing; a tool schema llguidance refuses names `tools`."""
+    import dataclasses
+
+    try:
+        req = make()
+    except InvalidRequestError as e:
+        raise (e.renamed("tools") if parsing and e.field.startswith("structured_outputs") else e) from None
+    return dataclasses.replace(req, tool_parsing=parsing) if parsing else req
+
+
+def message_tool_fields(where: str, role: str, tool_call_id, tool_calls) -> dict:
+    """A chat message's tool fields as chat templates read them, checked (`where`: the message's field
+    path, e.g. "messages[2]"): a tool message's tool_call_id; an assistant's tool_calls (OpenAI's shape,
+    their arguments parsed to an object: templates write them with tojson, as vLLM gives them)."""
+    out = {}
+    if tool_calls and role != "assistant":
+        raise InvalidRequestError(f"{where}.tool_calls", f"is not a field of a {role} message")
+    if (tool_call_id is not None) != (role == "tool"):
+        raise InvalidRequestError(f"{where}.tool_call_id", "is required in a tool message" if role == "tool"
+                                  else f"is not a field of a {role} message")
+    if tool_call_id is not None:
+        out["tool_call_id"] = check_text(f"{where}.tool_call_id", tool_call_id)
+    if tool_calls:
+        out["tool_calls"] = [_template_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(tool_calls)]
+    return out
+
+
+def _template_call(where: str, c) -> dict:
+    f = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
+        raise InvalidRequestError(where, "must be {\"id\": ..., \"type\": \"function\", \"function\": "
+                                         "{\"name\": STRING, \"arguments\": JSON TEXT}}")
+    args = _loads(f["arguments"]) if f["arguments"].strip() else {}
+    if not isinstance(args, dict):
+        raise InvalidRequestError(f"{where}.function.arguments", "must be a JSON object's text")
+    return {"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}}

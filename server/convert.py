@@ -6,11 +6,14 @@ becomes the request field a client spells: "stopping.max_tokens must be >= 1, go
 """
 from __future__ import annotations
 
+import json
+
 from pagoda.engine.core_io import EngineRequest
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.outputs import FINISH_REASONS
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import StructuredOutputs
+from pagoda.engine.tools import check_tools, constrain, message_tool_fields, tool_format, with_parsing
 from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
                                      new_request_id)
 from pagoda.server.options import ServerOptions
@@ -31,6 +34,11 @@ FIELDS.update({"structured_outputs": "structured_output", "structured_outputs.js
                "structured_outputs.choice": "structured_output.choice.choices",
                **{f"structured_outputs.{k}": f"structured_output.{k}" for k in ("json_object", "regex", "grammar")}})
 PROMPT_FIELDS = {"text": "text", "token_ids": "token_ids.ids", "messages": "messages"}
+# the engine's (OpenAI's) names of a tool's fields -> the request's
+TOOL_FIELDS = {".function.name": ".name", ".function.parameters": ".parameters_json",
+               "tool_choice.function.name": "tool_choice.function_name"}
+TOOL_MODES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: "auto", pb.TOOL_CHOICE_MODE_NONE: "none",
+              pb.TOOL_CHOICE_MODE_AUTO: "auto", pb.TOOL_CHOICE_MODE_REQUIRED: "required"}
 
 
 def grpc_error(e: InvalidRequestError, prompt: str | None, where: str = "") -> InvalidRequestError:
@@ -41,13 +49,19 @@ def grpc_error(e: InvalidRequestError, prompt: str | None, where: str = "") -> I
         name = where + (PROMPT_FIELDS[prompt] if prompt is not None else "prompt")
     elif base.split(".")[0] in PROMPT_FIELDS:  # a part of the prompt: messages.messages[0].role
         name = where + base
+    elif base.startswith("tool"):  # tools[0].function.name -> tools[0].name
+        name = e.field
+        for engine_name, ours in TOOL_FIELDS.items():
+            name = name.replace(engine_name, ours)
+        return e.renamed(name)
     else:
         name = FIELDS.get(base, base)
     return e.renamed(name + bracket + index)
 
 
 def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine,
-                       limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None) -> list[EngineRequest]:
+                       limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None,
+                       tool_call_parser: str | None = None) -> list[EngineRequest]:
     """A Generate(Stream)Request as checked, tokenized requests (engine.make_request): one, or one per
     prompt of `prompts` (ids suffixed -0, -1, ...). Raises InvalidRequestError naming the request's
     field. `request_id` (e.g. from x-request-id metadata) applies when the request's own is empty.
@@ -57,8 +71,17 @@ def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engin
     rid = req.request_id or request_id
     try:
         params = _params(req)
+        tools = _tools(req, which)
     except InvalidRequestError as e:
         raise grpc_error(e, which) from None
+    if tools is not None:
+        try:
+            fmt = tool_format(engine.tokenizer, tool_call_parser)
+            params, parsing = constrain(tools, fmt, params, engine.tokenizer)
+            return [with_parsing(lambda: _request(req, which, "", params, rid, req, engine, limits, tools.tools),
+                                 parsing)]
+        except InvalidRequestError as e:
+            raise grpc_error(e, which) from None
     if which != "prompts":
         return [_request(req, which, "", params, rid, req, engine, limits)]
     prompts = req.prompts.prompts
@@ -75,9 +98,9 @@ def to_engine_request(req, engine, limits: RequestLimits = DEFAULT_LIMITS,
     return to_engine_requests(req, engine, limits, request_id)[0]
 
 
-def _request(source, which, where: str, params, rid, req, engine, limits) -> EngineRequest:
+def _request(source, which, where: str, params, rid, req, engine, limits, tools=None) -> EngineRequest:
     try:
-        return engine.make_request(_prompt(source, which, engine), params, rid, req.priority,
+        return engine.make_request(_prompt(source, which, engine, tools), params, rid, req.priority,
                                    limits=limits, default_max_tokens=DEFAULT_MAX_TOKENS)
     except InvalidRequestError as e:
         raise grpc_error(e, which, where) from None
@@ -106,6 +129,34 @@ def _params(req) -> SamplingParams:
                           logprobs=req.logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
 
 
+def _tools(req, which):
+    """The request's tools as OpenAI's function tools (engine/tools.py checks them); None without tools."""
+    if not req.tools:
+        if req.HasField("tool_choice") or req.HasField("parallel_tool_calls"):
+            raise InvalidRequestError("tools", "must be given with tool_choice or parallel_tool_calls")
+        return None
+    if which != "messages":
+        raise InvalidRequestError("tools", "need a messages prompt (the chat template renders them)")
+    tools = []
+    for i, t in enumerate(req.tools):
+        f = {"name": t.name}
+        if t.description:
+            f["description"] = t.description
+        if t.parameters_json:
+            try:
+                f["parameters"] = json.loads(t.parameters_json)
+            except ValueError as e:
+                raise InvalidRequestError(f"tools[{i}].function.parameters", f"is not JSON text: {e}") from None
+        if t.HasField("strict"):
+            f["strict"] = t.strict
+        tools.append({"type": "function", "function": f})
+    c = req.tool_choice
+    which_choice = c.WhichOneof("choice") if req.HasField("tool_choice") else None
+    choice = ({"type": "function", "function": {"name": c.function_name}} if which_choice == "function_name"
+              else TOOL_MODES.get(c.mode, c.mode) if which_choice == "mode" else None)
+    return check_tools(tools, choice, req.parallel_tool_calls if req.HasField("parallel_tool_calls") else None)
+
+
 def _structured(so: pb.StructuredOutput) -> StructuredOutputs:
     kind = so.WhichOneof("kind")
     if kind is None:
@@ -119,7 +170,7 @@ def _structured(so: pb.StructuredOutput) -> StructuredOutputs:
     return StructuredOutputs(**{"json" if kind == "json_schema" else kind: value})
 
 
-def _prompt(req, which: str | None, engine) -> str | list[int]:
+def _prompt(req, which: str | None, engine, tools=None) -> str | list[int]:
     """The text as is (the engine tokenizes it), the token ids, or the messages through the chat template."""
     if which is None:
         raise InvalidRequestError("prompt", "must be set: one of text, token_ids, messages, prompts")
@@ -133,8 +184,12 @@ def _prompt(req, which: str | None, engine) -> str | list[int]:
     for i, m in enumerate(msgs):
         if not m.role:
             raise InvalidRequestError(f"messages.messages[{i}].role", "must not be empty")
+    messages = [{"role": m.role, "content": m.content, **message_tool_fields(
+        f"messages.messages[{i}]", m.role, m.tool_call_id if m.HasField("tool_call_id") else None,
+        [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+         for c in m.tool_calls])} for i, m in enumerate(msgs)]
     try:
-        ids = list(engine.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs]))
+        ids = list(engine.apply_chat_template(messages, tools))
     except InvalidRequestError as e:
         raise e.renamed(f"messages.{e.field}") from None
     except Exception as e:  # no template, a role the template rejects, ...: the request's fault
@@ -144,9 +199,13 @@ def _prompt(req, which: str | None, engine) -> str | list[int]:
     return ids
 
 
-def finish_reason(out) -> int:
-    """The FinishReason of an engine RequestOutput (UNSPECIFIED while not finished), through the one map."""
-    names = FINISH_REASONS.get(out.stop_reason) if out.finished else None
+def finish_reason(out, calls=()) -> int:
+    """The FinishReason of an engine RequestOutput (UNSPECIFIED while not finished), through the one map;
+    TOOL_CALLS where it ended normally after tool calls."""
+    reason = out.stop_reason
+    if calls and FINISH_REASONS.get(reason, FINISH_REASONS["error"]).openai == "stop":
+        reason = "tool_calls"
+    names = FINISH_REASONS.get(reason) if out.finished else None
     return pb.FinishReason.Value("FINISH_REASON_" + names.grpc) if names else pb.FINISH_REASON_UNSPECIFIED
 
 
@@ -174,13 +233,19 @@ def prompt_logprobs(items) -> list[pb.TokenLogprob]:
     return logprobs((items or [None])[1:])
 
 
-def stream_response(request_id: str, out, prompt_index: int = 0) -> pb.GenerateStreamResponse:
-    """One engine delta as a stream message; finish_reason and usage only on the last one."""
-    msg = pb.GenerateStreamResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
+def tool_calls(calls) -> list[pb.ToolCall]:
+    return [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
+
+
+def stream_response(request_id: str, out, prompt_index: int = 0, tools=None) -> pb.GenerateStreamResponse:
+    """One engine delta as a stream message; finish_reason and usage only on the last one. `tools`: the
+    completion's ToolStream (engine/tools.py) when the request has tools."""
+    text, calls = (out.text, []) if tools is None else tools.feed(out.text, out.finished)
+    msg = pb.GenerateStreamResponse(request_id=request_id, text=text, token_ids=out.token_ids,
                                     logprobs=logprobs(out.logprobs), index=out.index, prompt_index=prompt_index,
-                                    prompt_logprobs=prompt_logprobs(out.prompt_logprobs))
+                                    prompt_logprobs=prompt_logprobs(out.prompt_logprobs), tool_calls=tool_calls(calls))
     if out.finished:
-        msg.finish_reason = finish_reason(out)
+        msg.finish_reason = finish_reason(out, tools is not None and tools.num_calls)
         msg.usage.CopyFrom(usage(out))
     return msg
 
@@ -188,18 +253,26 @@ def stream_response(request_id: str, out, prompt_index: int = 0) -> pb.GenerateS
 def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResponse:
     """One prompt's whole completions (finished outputs, by index) as a GenerateResponse; with
     `prompt_text` (echo) the prompt too."""
-    choices = [pb.Choice(index=o.index, text=o.text, token_ids=o.token_ids, finish_reason=finish_reason(o),
-                         logprobs=logprobs(o.logprobs)) for o in outs]
+    choices = [_choice(req, o) for o in outs]
     total = usage(outs[0])
     total.completion_tokens = sum(o.num_generated_tokens for o in outs)
     prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
     resp = pb.GenerateResponse(request_id=req.request_id, text=choices[0].text, token_ids=choices[0].token_ids,
                                finish_reason=choices[0].finish_reason, usage=total, logprobs=choices[0].logprobs,
-                               choices=choices, prompt_logprobs=prompt_logprobs(prompt_lps))
+                               choices=choices, prompt_logprobs=prompt_logprobs(prompt_lps),
+                               tool_calls=choices[0].tool_calls)
     if prompt_text is not None:
         resp.prompt_text = prompt_text
         resp.prompt_token_ids.extend(req.prompt_token_ids)
     return resp
+
+
+def _choice(req, o) -> pb.Choice:
+    """A whole completion; with tools, its calls apart from its text (engine/tools.py parses them)."""
+    scan = req.tool_parsing.scan(o.text) if req.tool_parsing else None
+    calls = scan.calls if scan else []
+    return pb.Choice(index=o.index, text=scan.content if scan else o.text, token_ids=o.token_ids,
+                     finish_reason=finish_reason(o, calls), logprobs=logprobs(o.logprobs), tool_calls=tool_calls(calls))
 
 
 def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: RequestLimits = DEFAULT_LIMITS,

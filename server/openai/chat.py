@@ -7,12 +7,9 @@ from functools import partial
 from fastapi import Request
 from fastapi.responses import Response
 
-import json
-
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.structured import StructuredOutputs
-from pagoda.engine.tools import ToolStream, check_tools, token_spelling, tool_format
-from pagoda.server.openai.protocol import ChatMessage, ChatRequest, sampling_params, structured
+from pagoda.engine.tools import check_tools, constrain, message_tool_fields, tool_format, with_parsing
+from pagoda.server.openai.protocol import ChatMessage, ChatRequest, sampling_params
 from pagoda.server.openai.serving import Call, Serving, usage
 
 
@@ -21,11 +18,10 @@ class Chat:
         self.serving = serving
 
     async def create(self, body: ChatRequest, request: Request) -> Response:
-        tools = {}  # the request's ToolRequest and format, once made (its calls are parsed from the output)
-        return await self.serving.generate(body, request, "chatcmpl-", partial(self._requests, body, tools),
-                                           partial(_whole, body, tools), partial(_chunks, body, tools))
+        return await self.serving.generate(body, request, "chatcmpl-", partial(self._requests, body),
+                                           partial(_whole, body), partial(_chunks, body))
 
-    def _requests(self, body: ChatRequest, found: dict, engine, rid: str) -> list:
+    def _requests(self, body: ChatRequest, engine, rid: str) -> list:
         # max_completion_tokens (OpenAI's newer name) wins where both are given, as in vLLM
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs and not body.logprobs:
@@ -34,27 +30,19 @@ class Chat:
         tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         fmt = tools and tool_format(engine.tokenizer, self.serving.state.options.tool_call_parser)
         ids = render_chat(engine, body.messages, tools and tools.tools)
-        if tools and tools.constrains:
-            if structured(body)[0] is not None:
-                raise InvalidRequestError(structured(body)[1], f"conflicts with tool_choice {tools.choice!r}: "
-                                                               f"set tool_choice \"none\" for a structured answer")
-            grammar = tools.grammar(fmt, token_spelling(engine.tokenizer))
-            # the calls' markers are added tokens: kept in the text, which is parsed
-            params = params.replace(structured_outputs=StructuredOutputs(grammar=grammar), skip_special_tokens=False)
-            found.update(tools=tools, format=fmt)
-        try:
-            return [engine.make_request(ids, params, f"{rid}-0", body.priority or 0, limits=self.serving.state.limits)]
-        except InvalidRequestError as e:  # a tool's parameters schema that llguidance refuses
-            raise (e.renamed("tools") if found and e.field.startswith("structured_outputs") else e) from None
+        params, parsing = constrain(tools, fmt, params, engine.tokenizer)
+        return [with_parsing(lambda: engine.make_request(ids, params, f"{rid}-0", body.priority or 0,
+                                                         limits=self.serving.state.limits), parsing)]
 
 
-def _whole(body: ChatRequest, found: dict, call: Call, outs: list) -> dict:
+def _whole(body: ChatRequest, call: Call, outs: list) -> dict:
     choices = []
     for _, out in outs:
         message = {"role": "assistant", "content": out.text, "refusal": None}
         finish = out.finish_reason
-        if found:
-            scan = found["format"].scan(out.text, found["tools"].names)
+        parsing = call.reqs[0].tool_parsing
+        if parsing:
+            scan = parsing.scan(out.text)
             message["content"] = scan.content if scan.content or not scan.calls else None
             if scan.calls:
                 message["tool_calls"] = [_tool_call(c) for c in scan.calls]
@@ -70,7 +58,7 @@ def _tool_call(c) -> dict:
     return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
-async def _chunks(body: ChatRequest, found: dict, call: Call, outputs):
+async def _chunks(body: ChatRequest, call: Call, outputs):
     """Each choice's role first, then a chunk per delta, then usage if asked (with it, every chunk
     has the field, null but in the last: chat's schema only)."""
     head = {"id": call.id, "object": "chat.completion.chunk", "created": call.created, "model": call.model}
@@ -85,8 +73,8 @@ async def _chunks(body: ChatRequest, found: dict, call: Call, outputs):
         first = out.index not in lasts
         lasts[out.index] = out
         text, calls, finish = out.text, [], out.finish_reason
-        if found:
-            stream = streams.setdefault(out.index, ToolStream(found["format"], found["tools"].names))
+        if call.reqs[0].tool_parsing:
+            stream = streams.setdefault(out.index, call.reqs[0].tool_parsing.stream())
             text, calls = stream.feed(out.text, out.finished)
             finish = "tool_calls" if finish == "stop" and stream.num_calls else finish
         for c in calls:  # each call whole: its id and name, then its arguments
@@ -136,42 +124,20 @@ def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
 def _chat_message(i: int, m: ChatMessage) -> dict:
     where = f"messages[{i}]"
     if m.role not in _TEMPLATE_ROLE:
-        raise InvalidRequestError(f"{where}.role", f"{m.role!r} is not supported by this server (the legacy "
-                                                   f"function role: use tools and a tool message)")
+        raise InvalidRequestError(f"{where}.role", f"{m.role!r} is not a role this server takes (one of "
+                                                   f"{', '.join(_TEMPLATE_ROLE)})")
     if m.function_call is not None:
         raise InvalidRequestError(f"{where}.function_call", "is not supported by this server: use tool_calls")
-    if m.tool_calls and m.role != "assistant":
-        raise InvalidRequestError(f"{where}.tool_calls", f"is not a field of a {m.role} message")
-    if (m.tool_call_id is not None) != (m.role == "tool"):
-        raise InvalidRequestError(f"{where}.tool_call_id", "is required in a tool message" if m.role == "tool"
-                                  else f"is not a field of a {m.role} message")
     if m.role != "assistant" and (m.refusal, m.audio, m.annotations) != (None,) * 3:
         field = next(f for f in ("refusal", "audio", "annotations") if getattr(m, f) is not None)
         raise InvalidRequestError(f"{where}.{field}", f"is not a field of a {m.role} message")
     if m.content is None and m.role != "assistant":
         raise InvalidRequestError(f"{where}.content", "is required")
-    out = {"role": _TEMPLATE_ROLE[m.role], "content": _text_of(where, m.content)}
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
+    out = {"role": _TEMPLATE_ROLE[m.role], "content": _text_of(where, m.content),
+           **message_tool_fields(where, m.role, m.tool_call_id, m.tool_calls)}
     if m.name is not None and m.role == "tool":
         out["name"] = m.name
-    if m.tool_calls:
-        out["tool_calls"] = [_template_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(m.tool_calls)]
     return out
-
-
-def _template_call(where: str, c) -> dict:
-    """An assistant's tool call as templates read it: OpenAI's shape, its arguments a JSON object (the
-    templates write them with tojson; vLLM does the same)."""
-    f = c.get("function") if isinstance(c, dict) else None
-    if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
-        raise InvalidRequestError(where, "must be {\"id\": ..., \"type\": \"function\", \"function\": "
-                                         "{\"name\": STRING, \"arguments\": JSON TEXT}}")
-    try:
-        args = json.loads(f["arguments"]) if f["arguments"].strip() else {}
-    except ValueError:
-        raise InvalidRequestError(f"{where}.function.arguments", "is not JSON text") from None
-    return {"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}}
 
 
 def _text_of(where: str, content) -> str:

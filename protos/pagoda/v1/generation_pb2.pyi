@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_NONE: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_AUTO: _ClassVar[ToolChoiceMode]
+    TOOL_CHOICE_MODE_REQUIRED: _ClassVar[ToolChoiceMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -16,6 +23,11 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_ABORTED: _ClassVar[FinishReason]
     FINISH_REASON_GRAMMAR: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
@@ -23,6 +35,7 @@ FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 FINISH_REASON_GRAMMAR: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -31,12 +44,46 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_call_id", "tool_calls")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_call_id: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+
+class Tool(_message.Message):
+    __slots__ = ("name", "description", "parameters_json", "strict")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STRICT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    strict: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "function_name")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoiceMode
+    function_name: str
+    def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., function_name: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("text", "token_ids", "messages")
@@ -130,7 +177,7 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output", "tools", "tool_choice", "parallel_tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +193,9 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -161,10 +211,13 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: int
     echo: bool
     structured_output: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output", "tools", "tool_choice", "parallel_tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +233,9 @@ class GenerateStreamRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ECHO_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -195,7 +251,10 @@ class GenerateStreamRequest(_message.Message):
     prompt_logprobs: int
     echo: bool
     structured_output: StructuredOutput
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -226,21 +285,23 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Choice(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs")
+    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "tool_calls")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "choices", "prompt_logprobs", "prompt_token_ids", "prompt_text", "results")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "choices", "prompt_logprobs", "prompt_token_ids", "prompt_text", "results", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +313,7 @@ class GenerateResponse(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -263,10 +325,11 @@ class GenerateResponse(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
     results: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., results: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., choices: _Optional[_Iterable[_Union[Choice, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., results: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "index", "prompt_index", "prompt_logprobs", "prompt_token_ids", "prompt_text")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "logprobs", "index", "prompt_index", "prompt_logprobs", "prompt_token_ids", "prompt_text", "tool_calls")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +341,7 @@ class GenerateStreamResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -289,7 +353,8 @@ class GenerateStreamResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_text: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)
