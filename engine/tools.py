@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -403,7 +404,10 @@ def with_parsing(make, parsing: ToolParsing | None):
     try:
         req = make()
     except InvalidRequestError as e:
-        raise (e.renamed("tools") if parsing and e.field.startswith("structured_outputs") else e) from None
+        if not (parsing and e.field.startswith("structured_outputs")):
+            raise
+        why = re.split(r" \d+ \| ", e.message)[0].replace("is invalid: ", "")  # not the grammar's lines
+        raise InvalidRequestError("tools", f"hold a parameters schema that cannot be enforced: {why}") from None
     return dataclasses.replace(req, tool_parsing=parsing) if parsing else req
 
 

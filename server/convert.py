@@ -35,8 +35,8 @@ FIELDS.update({"structured_outputs": "structured_output", "structured_outputs.js
                **{f"structured_outputs.{k}": f"structured_output.{k}" for k in ("json_object", "regex", "grammar")}})
 PROMPT_FIELDS = {"text": "text", "token_ids": "token_ids.ids", "messages": "messages"}
 # the engine's (OpenAI's) names of a tool's fields -> the request's
-TOOL_FIELDS = {".function.name": ".name", ".function.parameters": ".parameters_json",
-               "tool_choice.function.name": "tool_choice.function_name"}
+TOOL_FIELDS = {"tool_choice.function.name": "tool_choice.function_name", ".function.name": ".name",
+               ".function.parameters": ".parameters_json"}
 TOOL_MODES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: "auto", pb.TOOL_CHOICE_MODE_NONE: "none",
               pb.TOOL_CHOICE_MODE_AUTO: "auto", pb.TOOL_CHOICE_MODE_REQUIRED: "required"}
 
@@ -78,8 +78,9 @@ def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engin
         try:
             fmt = tool_format(engine.tokenizer, tool_call_parser)
             params, parsing = constrain(tools, fmt, params, engine.tokenizer)
-            return [with_parsing(lambda: _request(req, which, "", params, rid, req, engine, limits, tools.tools),
-                                 parsing)]
+            prompt = _prompt(req, which, engine, tools.tools)
+            return [with_parsing(lambda: engine.make_request(prompt, params, rid, req.priority, limits=limits,
+                                                             default_max_tokens=DEFAULT_MAX_TOKENS), parsing)]
         except InvalidRequestError as e:
             raise grpc_error(e, which) from None
     if which != "prompts":
@@ -98,9 +99,9 @@ def to_engine_request(req, engine, limits: RequestLimits = DEFAULT_LIMITS,
     return to_engine_requests(req, engine, limits, request_id)[0]
 
 
-def _request(source, which, where: str, params, rid, req, engine, limits, tools=None) -> EngineRequest:
+def _request(source, which, where: str, params, rid, req, engine, limits) -> EngineRequest:
     try:
-        return engine.make_request(_prompt(source, which, engine, tools), params, rid, req.priority,
+        return engine.make_request(_prompt(source, which, engine), params, rid, req.priority,
                                    limits=limits, default_max_tokens=DEFAULT_MAX_TOKENS)
     except InvalidRequestError as e:
         raise grpc_error(e, which, where) from None

@@ -199,3 +199,83 @@ def test_tools_with_a_template_without_tools_is_a_400():
         assert e.value.body["param"] == "tools" and "chat template" in e.value.body["message"]
     finally:
         s.stop()
+
+
+# ---- the same over gRPC ----
+
+def grpc_tools(tools=TOOLS):
+    from pagoda.v1 import generation_pb2 as pb
+
+    return [pb.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                    parameters_json=json.dumps(t["function"]["parameters"])) for t in tools]
+
+
+def grpc_request(stream=False, **kw):
+    from pagoda.v1 import generation_pb2 as pb
+
+    cls = pb.GenerateStreamRequest if stream else pb.GenerateRequest
+    req = cls(messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES]), tools=grpc_tools(), **kw)
+    req.stopping.max_tokens = 300
+    return req
+
+
+def test_grpc_calls_validate_and_the_stream_equals_the_unary_answer(srv):
+    from pagoda.v1 import generation_pb2 as pb
+
+    with Client(srv.target, timeout=60) as c:
+        for seed, choice in enumerate([pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED),
+                                       pb.ToolChoice(function_name="place_order")]):
+            req = grpc_request(tool_choice=choice, parallel_tool_calls=False)
+            req.sampling.seed, req.sampling.temperature = seed, 1.0
+            whole = c.stub.Generate(req, timeout=60)
+            assert whole.finish_reason == pb.FINISH_REASON_TOOL_CALLS and len(whole.tool_calls) == 1
+            call = whole.tool_calls[0]
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+            assert call.id.startswith("call_") and whole.choices[0].tool_calls == whole.tool_calls
+            stream_req = grpc_request(stream=True, tool_choice=choice, parallel_tool_calls=False)
+            stream_req.sampling.seed, stream_req.sampling.temperature = seed, 1.0
+            msgs = list(c.stub.GenerateStream(stream_req, timeout=60))
+            assert "".join(m.text for m in msgs) == whole.text
+            assert [(t.name, t.arguments) for m in msgs for t in m.tool_calls] == [(call.name, call.arguments)]
+            assert msgs[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+        # the call and its result sent back: the next turn renders
+        history = [pb.ChatMessage(**m) for m in MESSAGES] + [
+            pb.ChatMessage(role="assistant", tool_calls=[call]),
+            pb.ChatMessage(role="tool", content="ok", tool_call_id=call.id)]
+        nxt = pb.GenerateRequest(messages=pb.ChatMessages(messages=history), tools=grpc_tools(),
+                                 tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE))
+        nxt.stopping.max_tokens = 4
+        assert not c.stub.Generate(nxt, timeout=60).tool_calls
+        wait_all_blocks_free(c)
+
+
+def test_grpc_bad_tools_are_invalid_argument_naming_the_field(srv):
+    import grpc
+
+    from pagoda.v1 import generation_pb2 as pb
+
+    bad = [
+        (dict(tools=[pb.Tool(name="f", parameters_json="{nope")]), "tools[0].parameters_json"),
+        (dict(tools=[pb.Tool(name="f", parameters_json='{"type": "object", "properties": {"x": {"type": "bogus"}}}')]),
+         "tools"),
+        (dict(tool_choice=pb.ToolChoice(function_name="nope")), "tool_choice.function_name"),
+        (dict(tools=[pb.Tool(name="bad name")]), "tools[0].name"),
+    ]
+    with Client(srv.target, timeout=60) as c:
+        for kw, field in bad:
+            req = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES]),
+                                     **{"tools": grpc_tools(), **kw})
+            with pytest.raises(grpc.RpcError) as e:
+                c.stub.Generate(req, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(field + " "), \
+                e.value.details()
+        no_id = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(**MESSAGES[0]),
+                                                                      pb.ChatMessage(role="tool", content="x")]))
+        with pytest.raises(grpc.RpcError) as e:
+            c.stub.Generate(no_id, timeout=60)
+        assert e.value.details().startswith("messages.messages[1].tool_call_id "), e.value.details()
+        text = pb.GenerateRequest(text="hi", tools=grpc_tools())
+        with pytest.raises(grpc.RpcError) as e:
+            c.stub.Generate(text, timeout=60)
+        assert e.value.details().startswith("tools "), e.value.details()
+        assert srv.engine.num_in_flight == 0
