@@ -28,6 +28,7 @@ class EngineRequest:
     prompt_text: str | None = None  # the prompt as the caller wrote it, when given as whole text
     grammar: str | None = None  # params.structured_outputs, compiled (engine/structured.py)
     tool_parsing: object = None  # engine/tools.py ToolParsing: how its output's tool calls are read back
+    reasoning: object = None  # engine/reasoning.py Reasoning: how its output's reasoning is read back
 
 
 @dataclass(frozen=True)

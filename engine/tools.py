@@ -381,7 +381,7 @@ class ToolParsing:
         return ToolStream(FORMATS[self.format], self.names)
 
 
-def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokenizer):
+def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokenizer, reasoning=None):
     """(params, ToolParsing) of a request whose tools are rendered: with tool_choice other than none,
     its output constrained to the format's calls (the markers kept in the text, which is parsed);
     else (params, None). Every door goes through here."""
@@ -392,13 +392,17 @@ def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokeniz
     if params.structured_outputs is not None:
         raise InvalidRequestError("structured_outputs", f"conflicts with tool_choice {tools.choice!r}: set "
                                                         f"tool_choice none for a structured answer")
-    grammar = tools.grammar(fmt, token_spelling(tokenizer))
+    token = token_spelling(tokenizer)
+    grammar = tools.grammar(fmt, token)
+    if reasoning is not None:
+        grammar = reasoning.wrap(grammar, token)
     return (params.replace(structured_outputs=StructuredOutputs(grammar=grammar), skip_special_tokens=False),
             ToolParsing(fmt.name, frozenset(tools.names)))
 
 
-def with_parsing(make, parsing: ToolParsing | None):
-    """make() -> an EngineRequest, given its ToolParsing; a tool schema llguidance refuses names `tools`."""
+def with_parsing(make, parsing: ToolParsing | None, reasoning=None):
+    """make() -> an EngineRequest, given its ToolParsing and Reasoning (how its output is read back); a
+    tool schema llguidance refuses names `tools`."""
     import dataclasses
 
     try:
@@ -408,7 +412,7 @@ def with_parsing(make, parsing: ToolParsing | None):
             raise
         why = re.split(r" \d+ \| ", e.message)[0].replace("is invalid: ", "")  # not the grammar's lines
         raise InvalidRequestError("tools", f"hold a parameters schema that cannot be enforced: {why}") from None
-    return dataclasses.replace(req, tool_parsing=parsing) if parsing else req
+    return dataclasses.replace(req, tool_parsing=parsing, reasoning=reasoning) if parsing or reasoning else req
 
 
 def message_tool_fields(where: str, role: str, tool_call_id, tool_calls) -> dict:
@@ -437,3 +441,46 @@ def _template_call(where: str, c) -> dict:
     if not isinstance(args, dict):
         raise InvalidRequestError(f"{where}.function.arguments", "must be a JSON object's text")
     return {"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A completion read back: its reasoning (None: not a reasoning request), content and tool calls."""
+    reasoning: str | None
+    content: str
+    calls: list
+
+
+def read_answer(req, text: str) -> Answer:
+    """A whole completion of an EngineRequest read back through its Reasoning and ToolParsing."""
+    reasoning = None
+    if req.reasoning is not None:
+        reasoning, text = req.reasoning.split(text)
+    if req.tool_parsing is None:
+        return Answer(reasoning, text, [])
+    scan = req.tool_parsing.scan(text)
+    return Answer(reasoning, scan.content, scan.calls)
+
+
+class AnswerStream:
+    """A streamed completion read back as it grows: feed(delta, final) -> an Answer of what is new;
+    the parts fed, joined, are read_answer's."""
+
+    def __init__(self, req):
+        from pagoda.engine.reasoning import ReasoningStream
+
+        self.reasoning = req.reasoning and ReasoningStream(req.reasoning)
+        self.tools = req.tool_parsing and req.tool_parsing.stream()
+
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools else 0
+
+    def feed(self, delta: str, final: bool = False) -> Answer:
+        reasoning = None
+        if self.reasoning:
+            reasoning, delta = self.reasoning.feed(delta, final)
+        if not self.tools:
+            return Answer(reasoning, delta, [])
+        content, calls = self.tools.feed(delta, final)
+        return Answer(reasoning, content, calls)

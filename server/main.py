@@ -60,6 +60,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--tool-call-parser", "TOOL_CALL_PARSER", "how the model writes tool calls: hermes (Qwen2.5/Qwen3, "
         "<tool_call>), llama3_json (Llama 3.1+) or mistral ([TOOL_CALLS]) (default: from the chat template)",
         choices=["hermes", "llama3_json", "mistral"])
+    opt("--reasoning-parser", "REASONING_PARSER", "return a reasoning model's <think>...</think> apart, as "
+        "reasoning_content (default: when the chat template writes <think>)", choices=["deepseek_r1", "qwen3"])
     opt("--dtype", "DTYPE", "weights/compute dtype (default: auto)", default="auto",
         choices=["auto", "float32", "bfloat16", "float16"])
     opt("--quantization", "QUANTIZATION", "int8: linear weights in int8 (weight-only, per-output-channel "
@@ -194,6 +196,7 @@ def server_options(args: argparse.Namespace):
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )
 
 

@@ -29,7 +29,7 @@ class Engine:
         return make_request(prompt, params, model=ModelLimits(INFO.vocab_size, INFO.max_model_len),
                             tokenizer=TOKENIZER, request_id=request_id, priority=priority, **kw)
 
-    def apply_chat_template(self, msgs):
+    def apply_chat_template(self, msgs, tools=None):
         return [258] + [b for m in msgs for b in m["content"].encode()]
 
 

@@ -86,10 +86,18 @@ MISTRAL = r"""
 {%- endfor %}
 """
 
+# Qwen3's: Qwen2.5's with reasoning (enable_thinking false writes an empty <think></think> block)
+QWEN3 = QWEN.replace("""{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}""",
+                     """{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is """
+                     """defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"""
+                     """{%- endif %}""")
+assert QWEN3 != QWEN
+
 # family -> (template, added special tokens, added plain tokens): Qwen's <tool_call> is an added token
 # that is not special (it stays in decoded text); Mistral's [TOOL_CALLS] and Llama's headers are special
 FAMILIES = {
     "qwen": (QWEN, ["<|im_start|>", "<|im_end|>"], ["<tool_call>", "</tool_call>"]),
+    "qwen3": (QWEN3, ["<|im_start|>", "<|im_end|>"], ["<tool_call>", "</tool_call>", "<think>", "</think>"]),
     "llama": (LLAMA31, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"], []),
     "mistral": (MISTRAL, ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                           "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], []),
@@ -110,6 +118,6 @@ def build_tool_tokenizer(family: str):
 def build_tool_checkpoint(path: str, family: str) -> str:
     from pagoda.engine.demo import build_tiny_checkpoint
 
-    arch = {"qwen": "llama", "llama": "llama", "mistral": "mistral"}[family]
+    arch = {"qwen": "llama", "qwen3": "qwen3", "llama": "llama", "mistral": "mistral"}[family]
     return build_tiny_checkpoint(path, arch, initializer_range=0.3, tokenizer=build_tool_tokenizer(family),
                                  max_position_embeddings=4096)

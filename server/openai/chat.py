@@ -8,7 +8,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.tools import check_tools, constrain, message_tool_fields, tool_format, with_parsing
+from pagoda.engine.reasoning import check_template_kwargs, reasoning_for
+from pagoda.engine.tools import (AnswerStream, check_tools, constrain, message_tool_fields, read_answer, tool_format,
+                                 with_parsing)
 from pagoda.server.openai.protocol import ChatMessage, ChatRequest, sampling_params
 from pagoda.server.openai.serving import Call, Serving, usage
 
@@ -29,24 +31,25 @@ class Chat:
         params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         fmt = tools and tool_format(engine.tokenizer, self.serving.state.options.tool_call_parser)
-        ids = render_chat(engine, body.messages, tools and tools.tools)
-        params, parsing = constrain(tools, fmt, params, engine.tokenizer)
+        options = self.serving.state.options
+        ids = render_chat(engine, body.messages, tools and tools.tools, check_template_kwargs(body.chat_template_kwargs))
+        reasoning = reasoning_for(engine.tokenizer, ids, options.reasoning_parser)
+        params, parsing = constrain(tools, fmt, params, engine.tokenizer, reasoning)
         return [with_parsing(lambda: engine.make_request(ids, params, f"{rid}-0", body.priority or 0,
-                                                         limits=self.serving.state.limits), parsing)]
+                                                         limits=self.serving.state.limits), parsing, reasoning)]
 
 
 def _whole(body: ChatRequest, call: Call, outs: list) -> dict:
     choices = []
     for _, out in outs:
-        message = {"role": "assistant", "content": out.text, "refusal": None}
-        finish = out.finish_reason
-        parsing = call.reqs[0].tool_parsing
-        if parsing:
-            scan = parsing.scan(out.text)
-            message["content"] = scan.content if scan.content or not scan.calls else None
-            if scan.calls:
-                message["tool_calls"] = [_tool_call(c) for c in scan.calls]
-                finish = "tool_calls" if finish == "stop" else finish
+        answer = read_answer(call.reqs[0], out.text)
+        message = {"role": "assistant", "content": answer.content if answer.content or not answer.calls else None,
+                   "refusal": None}
+        if answer.reasoning is not None:
+            message["reasoning_content"] = answer.reasoning or None
+        if answer.calls:
+            message["tool_calls"] = [_tool_call(c) for c in answer.calls]
+        finish = "tool_calls" if answer.calls and out.finish_reason == "stop" else out.finish_reason
         choices.append(_with_extras(body, call, out, {
             "index": out.index, "message": message,
             "logprobs": None if out.logprobs is None else call.logprobs.chat(out.logprobs), "finish_reason": finish}))
@@ -69,23 +72,26 @@ async def _chunks(body: ChatRequest, call: Call, outputs):
         yield {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]}
     lasts, streams = {}, {}
+    req = call.reqs[0]
+    for_answer = req.tool_parsing is not None or req.reasoning is not None
     async for _, out in outputs:
         first = out.index not in lasts
         lasts[out.index] = out
-        text, calls, finish = out.text, [], out.finish_reason
-        if call.reqs[0].tool_parsing:
-            stream = streams.setdefault(out.index, call.reqs[0].tool_parsing.stream())
-            text, calls = stream.feed(out.text, out.finished)
+        delta, finish = {"content": out.text} if out.text else {}, out.finish_reason
+        if for_answer:
+            stream = streams.setdefault(out.index, AnswerStream(req))
+            answer = stream.feed(out.text, out.finished)
+            delta = {k: v for k, v in (("reasoning_content", answer.reasoning), ("content", answer.content)) if v}
             finish = "tool_calls" if finish == "stop" and stream.num_calls else finish
-        for c in calls:  # each call whole: its id and name, then its arguments
-            k = streams[out.index].num_calls - len(calls) + calls.index(c)
-            for delta in ({"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}},
-                          {"index": k, "function": {"arguments": c.arguments}}):
-                yield {**head, "choices": [{"index": out.index, "delta": {"tool_calls": [delta]}, "logprobs": None,
-                                            "finish_reason": None}]}
-        if text or out.finished or out.token_ids or first:
+            for k, c in enumerate(answer.calls, stream.num_calls - len(answer.calls)):
+                for part in ({"index": k, "id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                        "arguments": ""}},
+                             {"index": k, "function": {"arguments": c.arguments}}):  # its id and name, then its arguments
+                    yield {**head, "choices": [{"index": out.index, "delta": {"tool_calls": [part]},
+                                                "logprobs": None, "finish_reason": None}]}
+        if delta or out.finished or out.token_ids or first:
             yield {**head, "choices": [_with_extras(body, call, out, {
-                "index": out.index, "delta": {"content": text} if text else {},
+                "index": out.index, "delta": delta,
                 "logprobs": None if out.logprobs is None else call.logprobs.chat(out.logprobs),
                 "finish_reason": finish})]}
     if include_usage:
@@ -105,10 +111,11 @@ def _with_extras(body: ChatRequest, call: Call, out, choice: dict) -> dict:
 _TEMPLATE_ROLE = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def render_chat(engine, messages: list[ChatMessage], tools: list | None = None) -> list[int]:
+def render_chat(engine, messages: list[ChatMessage], tools: list | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
     """A conversation's prompt token ids, through the model's chat template (with the tools, as sent)."""
     try:
-        return engine.apply_chat_template(_chat_messages(messages), tools)
+        return engine.apply_chat_template(_chat_messages(messages), tools, template_kwargs)
     except InvalidRequestError:
         raise
     except Exception as e:  # no template, a role the template refuses, ...

@@ -136,6 +136,7 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: only engine/reasoning.py TEMPLATE_KWARGS (enable_thinking)
 
 
 class TokenizeRequest(_Fields):
