@@ -13,7 +13,9 @@ from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.outputs import FINISH_REASONS
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import StructuredOutputs
-from pagoda.engine.tools import check_tools, constrain, message_tool_fields, tool_format, with_parsing
+from pagoda.engine.reasoning import reasoning_for
+from pagoda.engine.tools import (AnswerStream, check_tools, constrain, message_tool_fields, read_answer, tool_format,
+                                 with_parsing)
 from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
                                      new_request_id)
 from pagoda.server.options import ServerOptions
@@ -61,7 +63,7 @@ def grpc_error(e: InvalidRequestError, prompt: str | None, where: str = "") -> I
 
 def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine,
                        limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None,
-                       tool_call_parser: str | None = None) -> list[EngineRequest]:
+                       options: ServerOptions | None = None) -> list[EngineRequest]:
     """A Generate(Stream)Request as checked, tokenized requests (engine.make_request): one, or one per
     prompt of `prompts` (ids suffixed -0, -1, ...). Raises InvalidRequestError naming the request's
     field. `request_id` (e.g. from x-request-id metadata) applies when the request's own is empty.
@@ -74,13 +76,15 @@ def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engin
         tools = _tools(req, which)
     except InvalidRequestError as e:
         raise grpc_error(e, which) from None
-    if tools is not None:
+    if which == "messages":  # a chat: tools, reasoning
+        options = options or ServerOptions()
         try:
-            fmt = tool_format(engine.tokenizer, tool_call_parser)
-            params, parsing = constrain(tools, fmt, params, engine.tokenizer)
-            prompt = _prompt(req, which, engine, tools.tools)
+            fmt = tools and tool_format(engine.tokenizer, options.tool_call_parser)
+            prompt = _prompt(req, which, engine, tools and tools.tools)
+            reasoning = reasoning_for(engine.tokenizer, prompt, options.reasoning_parser)
+            params, parsing = constrain(tools, fmt, params, engine.tokenizer, reasoning)
             return [with_parsing(lambda: engine.make_request(prompt, params, rid, req.priority, limits=limits,
-                                                             default_max_tokens=DEFAULT_MAX_TOKENS), parsing)]
+                                                             default_max_tokens=DEFAULT_MAX_TOKENS), parsing, reasoning)]
         except InvalidRequestError as e:
             raise grpc_error(e, which) from None
     if which != "prompts":
@@ -238,15 +242,22 @@ def tool_calls(calls) -> list[pb.ToolCall]:
     return [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
-def stream_response(request_id: str, out, prompt_index: int = 0, tools=None) -> pb.GenerateStreamResponse:
-    """One engine delta as a stream message; finish_reason and usage only on the last one. `tools`: the
-    completion's ToolStream (engine/tools.py) when the request has tools."""
-    text, calls = (out.text, []) if tools is None else tools.feed(out.text, out.finished)
-    msg = pb.GenerateStreamResponse(request_id=request_id, text=text, token_ids=out.token_ids,
-                                    logprobs=logprobs(out.logprobs), index=out.index, prompt_index=prompt_index,
-                                    prompt_logprobs=prompt_logprobs(out.prompt_logprobs), tool_calls=tool_calls(calls))
+def answer_stream(req) -> AnswerStream | None:
+    """A streamed completion's reader of its tool calls and reasoning; None when it has neither."""
+    return AnswerStream(req) if req.tool_parsing is not None or req.reasoning is not None else None
+
+
+def stream_response(request_id: str, out, prompt_index: int = 0, answer=None) -> pb.GenerateStreamResponse:
+    """One engine delta as a stream message; finish_reason and usage only on the last one. `answer`: the
+    completion's AnswerStream (engine/tools.py) when a chat request's tool calls or reasoning are read."""
+    new = answer.feed(out.text, out.finished) if answer is not None else None
+    msg = pb.GenerateStreamResponse(request_id=request_id, text=new.content if new else out.text,
+                                    token_ids=out.token_ids, logprobs=logprobs(out.logprobs), index=out.index,
+                                    prompt_index=prompt_index, prompt_logprobs=prompt_logprobs(out.prompt_logprobs),
+                                    tool_calls=tool_calls(new.calls if new else []),
+                                    reasoning_content=(new and new.reasoning) or "")
     if out.finished:
-        msg.finish_reason = finish_reason(out, tools is not None and tools.num_calls)
+        msg.finish_reason = finish_reason(out, answer is not None and answer.num_calls)
         msg.usage.CopyFrom(usage(out))
     return msg
 
@@ -261,7 +272,7 @@ def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResp
     resp = pb.GenerateResponse(request_id=req.request_id, text=choices[0].text, token_ids=choices[0].token_ids,
                                finish_reason=choices[0].finish_reason, usage=total, logprobs=choices[0].logprobs,
                                choices=choices, prompt_logprobs=prompt_logprobs(prompt_lps),
-                               tool_calls=choices[0].tool_calls)
+                               tool_calls=choices[0].tool_calls, reasoning_content=choices[0].reasoning_content)
     if prompt_text is not None:
         resp.prompt_text = prompt_text
         resp.prompt_token_ids.extend(req.prompt_token_ids)
@@ -270,10 +281,10 @@ def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResp
 
 def _choice(req, o) -> pb.Choice:
     """A whole completion; with tools, its calls apart from its text (engine/tools.py parses them)."""
-    scan = req.tool_parsing.scan(o.text) if req.tool_parsing else None
-    calls = scan.calls if scan else []
-    return pb.Choice(index=o.index, text=scan.content if scan else o.text, token_ids=o.token_ids,
-                     finish_reason=finish_reason(o, calls), logprobs=logprobs(o.logprobs), tool_calls=tool_calls(calls))
+    answer = read_answer(req, o.text)
+    return pb.Choice(index=o.index, text=answer.content, token_ids=o.token_ids, finish_reason=finish_reason(o, answer.calls),
+                     logprobs=logprobs(o.logprobs), tool_calls=tool_calls(answer.calls),
+                     reasoning_content=answer.reasoning or "")
 
 
 def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: RequestLimits = DEFAULT_LIMITS,

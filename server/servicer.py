@@ -145,9 +145,9 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
         # rendering and tokenizing a long text, or compiling a structured output, takes a while
         if _prompt_chars(request) > LARGE_PROMPT_CHARS or request.HasField("structured_output") or request.tools:
             reqs = await asyncio.to_thread(convert.to_engine_requests, request, engine, state.limits, rid,
-                                           state.options.tool_call_parser)
+                                           state.options)
         else:
-            reqs = convert.to_engine_requests(request, engine, state.limits, rid, state.options.tool_call_parser)
+            reqs = convert.to_engine_requests(request, engine, state.limits, rid, state.options)
         state.check_call_size(len(reqs), "prompts")
         return reqs, open_requests(state, engine, reqs, record, stack, rid)
 
@@ -178,11 +178,12 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
                 contextlib.AsyncExitStack() as stack:
             reqs, outputs = await self._open(engine, request, context, record, stack)
             started: set[int] = set()  # prompts whose first message went out
-            tools = {}  # (prompt, completion) -> its ToolStream, with tools
+            answers = {}  # (prompt, completion) -> its AnswerStream, when its calls or reasoning are read
             async for i, out in outputs:
                 first = i not in started
-                parsing = reqs[i].tool_parsing
-                stream = parsing and tools.setdefault((i, out.index), parsing.stream())
+                if (i, out.index) not in answers:
+                    answers[i, out.index] = convert.answer_stream(reqs[i])
+                stream = answers[i, out.index]
                 if out.token_ids or out.text or out.finished or (first and out.prompt_logprobs is not None):
                     msg = convert.stream_response(reqs[i].request_id, out, i, stream)
                     if first and request.echo:

@@ -124,3 +124,18 @@ def test_http_reasoning_content_and_template_kwargs(srv):
         oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1,
                                     extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
     assert e.value.body["param"] == "chat_template_kwargs.add_generation_prompt"
+
+
+def test_grpc_reasoning_content(srv):
+    from pagoda.client.client import Client
+    from pagoda.v1 import generation_pb2 as pb
+
+    tok = srv.engine.tokenizer
+    req = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES]))
+    req.stopping.max_tokens, req.sampling.temperature = 5, 0
+    req.sampling.logit_bias[tok.convert_tokens_to_ids("<think>")] = 100
+    with Client(srv.target, timeout=60) as c:
+        whole = c.stub.Generate(req, timeout=60)
+        assert whole.reasoning_content == "<think>" * 4 and whole.text == ""
+        stream = pb.GenerateStreamRequest.FromString(req.SerializeToString())
+        assert "".join(m.reasoning_content for m in c.stub.GenerateStream(stream, timeout=60)) == "<think>" * 4
