@@ -20,10 +20,11 @@ class Chat:
         self.serving = serving
 
     async def create(self, body: ChatRequest, request: Request) -> Response:
-        return await self.serving.generate(body, request, "chatcmpl-", partial(self._requests, body),
+        return await self.serving.generate(body, request, "chatcmpl-", partial(self.requests, body),
                                            partial(_whole, body), partial(_chunks, body))
 
-    def _requests(self, body: ChatRequest, engine, rid: str) -> list:
+    def requests(self, body: ChatRequest, engine, rid: str) -> list:
+        """The chat request's EngineRequest (also the Responses API's, as a chat request)."""
         # max_completion_tokens (OpenAI's newer name) wins where both are given, as in vLLM
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs and not body.logprobs:
