@@ -87,11 +87,11 @@ class ToolFormat:
         trig = token(self.trigger)
         if trig.startswith("<["):
             text = r"TEXT: /(.|\n)+/"
-            return ["start: TEXT | TEXT? calls", text]
+            return ["start: TEXT? calls?", text]  # an empty answer too
         # the trigger is plain text: calls only at the start, text never spells it
         esc = json.dumps(self.trigger)[1:-1].replace("/", "\\/")
         esc = "".join("\\" + c if c in ".[]()|*+?{}^$" else c for c in esc)
-        return ["start: TEXT | calls", rf"TEXT: /(.|\n)+/ & ~/(.|\n)*{esc}(.|\n)*/"]
+        return ["start: TEXT? | calls", rf"TEXT: /(.|\n)+/ & ~/(.|\n)*{esc}(.|\n)*/"]
 
     def scan(self, text: str, names: set, final: bool = True) -> Scan:
         """The content and calls of an output (final: it has ended; else a stream's text so far)."""
@@ -159,7 +159,7 @@ class Llama3Json(ToolFormat):
         return [f"calls: ({call})" + more]
 
     def auto_rules(self, token):
-        return ["start: TEXT | calls", r"TEXT: /[^{](.|\n)*/"]
+        return ["start: TEXT? | calls", r"TEXT: /[^{](.|\n)*/"]
 
     def region(self, text):
         return 0 if text.startswith(self.trigger) else -1
@@ -320,6 +320,13 @@ def token_spelling(tokenizer):
     return token
 
 
+def _without(text: str, drop: tuple) -> str:
+    for t in drop:
+        if t in text:
+            text = text.replace(t, "")
+    return text
+
+
 def _loads(text: str):
     try:
         return json.loads(text)
@@ -345,13 +352,13 @@ class ToolStream:
     """A streamed choice's text scanned as it grows: feed(delta) -> (new content, new calls); content
     is given as soon as it cannot be the start of a call, each call once whole."""
 
-    def __init__(self, fmt: ToolFormat, names: set):
-        self.fmt, self.names = fmt, names
+    def __init__(self, fmt: ToolFormat, names: set, drop: tuple = ()):
+        self.fmt, self.names, self.drop = fmt, names, drop
         self.text, self.sent, self.num_calls = "", 0, 0
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list]:
-        self.text += delta
-        scan = self.fmt.scan(self.text, self.names, final)
+        self.text += delta  # a special token's text comes whole, in one delta
+        scan = self.fmt.scan(_without(self.text, self.drop), self.names, final)
         content, self.sent = scan.content[self.sent:], max(self.sent, len(scan.content))
         calls, self.num_calls = scan.calls[self.num_calls:], max(self.num_calls, len(scan.calls))
         return content, calls
@@ -370,15 +377,18 @@ def tool_format(tokenizer, name: str | None = None) -> ToolFormat:
 
 @dataclass(frozen=True)
 class ToolParsing:
-    """How a request's output is read back (kept on its EngineRequest): the format and the functions."""
+    """How a request's output is read back (kept on its EngineRequest): the format, the functions, and
+    the special tokens' texts that are no part of the answer (the output keeps special tokens for the
+    format's markers: EOS and the like are dropped here)."""
     format: str
     names: frozenset
+    drop: tuple = ()
 
     def scan(self, text: str) -> Scan:
-        return FORMATS[self.format].scan(text, self.names)
+        return FORMATS[self.format].scan(_without(text, self.drop), self.names)
 
     def stream(self) -> ToolStream:
-        return ToolStream(FORMATS[self.format], self.names)
+        return ToolStream(FORMATS[self.format], self.names, self.drop)
 
 
 def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokenizer, reasoning=None):
@@ -396,8 +406,10 @@ def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokeniz
     grammar = tools.grammar(fmt, token)
     if reasoning is not None:
         grammar = reasoning.wrap(grammar, token)
+    markers = {fmt.trigger, getattr(fmt, "end", None)}
+    drop = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if t not in markers)
     return (params.replace(structured_outputs=StructuredOutputs(grammar=grammar), skip_special_tokens=False),
-            ToolParsing(fmt.name, frozenset(tools.names)))
+            ToolParsing(fmt.name, frozenset(tools.names), drop))
 
 
 def with_parsing(make, parsing: ToolParsing | None, reasoning=None):

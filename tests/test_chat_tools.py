@@ -140,6 +140,7 @@ def test_stream_equals_unary(oai, srv, family):
                 finish = c.finish_reason or finish
         assert finish == whole.finish_reason
         assert (content or None) == whole.message.content
+        assert all(t not in content for t in tok.all_special_tokens if t != TRIGGERS[family])  # EOS: no text
         got = [(n, a) for _, n, a in (calls[i] for i in sorted(calls))]
         assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
         if choice == "required":

@@ -49,7 +49,7 @@ def test_the_grammar_takes_the_formats_calls_and_nothing_else(name):
     single = check_tools(TOOLS, "required", parallel_tool_calls=False).grammar(fmt, token)
     named = check_tools(TOOLS, {"type": "function", "function": {"name": "g"}}).grammar(fmt, token)
     assert accepts(tok, required, calls_only) and accepts(tok, auto, CALLS[name])
-    assert accepts(tok, auto, "Just text, no call: 東京")
+    assert accepts(tok, auto, "Just text, no call: 東京") and accepts(tok, auto, "")
     end = {"hermes": "</tool_call>", "llama3_json": "; ", "mistral": ", {"}[name]
     first = calls_only[:calls_only.index(end) + (len(end) if name == "hermes" else 0)] + "]" * (name == "mistral")
     assert not accepts(tok, single, calls_only) and accepts(tok, single, first)
@@ -120,7 +120,7 @@ def test_bad_tools_name_the_field(tools, choice, parallel, field):
 
 def test_formats_are_detected_from_the_template():
     assert {family: detect(FAMILIES[family][0]).name for family in FAMILIES} == {
-        "qwen": "hermes", "llama": "llama3_json", "mistral": "mistral"}
+        "qwen": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral"}
     assert detect("{{ messages }}") is None and detect(None) is None
     tok = build_tool_tokenizer("qwen")
     assert tool_format(tok).name == "hermes" and tool_format(tok, "mistral").name == "mistral"
