@@ -240,7 +240,7 @@ def detect(chat_template) -> ToolFormat | None:
 @dataclass(frozen=True)
 class ToolRequest:
     """A chat request's tools, checked: `tools` exactly as the client sent them (what the chat template
-    renders), `functions` (name -> the function object), `choice`: none, auto, required or a name."""
+    renders), `choice`: none, auto, required or a function's name; `parallel`: several calls allowed."""
     tools: list
     choice: str
     parallel: bool = True
@@ -279,7 +279,8 @@ def check_tools(tools, tool_choice=None, parallel_tool_calls=None) -> ToolReques
         f = t["function"]
         name = f.get("name")
         if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-" for c in name):
-            raise InvalidRequestError(f"{where}.function.name", f"must be 1 to 64 letters, digits, _ or -, got {name!r}")
+            raise InvalidRequestError(f"{where}.function.name",
+                                      f"must be 1 to 64 letters, digits, _ or -, got {name!r}")
         if name in seen:
             raise InvalidRequestError(f"{where}.function.name", f"{name!r} is given twice")
         seen.add(name)
@@ -303,7 +304,7 @@ def _choice(tool_choice, names: set) -> str:
         return tool_choice
     f = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = f.get("name") if isinstance(f, dict) else None
-    if tool_choice.get("type") != "function" or not isinstance(name, str):
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
         raise InvalidRequestError("tool_choice", "must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
     if name not in names:
         raise InvalidRequestError("tool_choice.function.name", f"{name!r} is not one of the tools given")

@@ -83,8 +83,9 @@ def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engin
             prompt = _prompt(req, which, engine, tools and tools.tools)
             reasoning = reasoning_for(engine.tokenizer, prompt, options.reasoning_parser)
             params, parsing = constrain(tools, fmt, params, engine.tokenizer, reasoning)
-            return [with_parsing(lambda: engine.make_request(prompt, params, rid, req.priority, limits=limits,
-                                                             default_max_tokens=DEFAULT_MAX_TOKENS), parsing, reasoning)]
+            make = lambda: engine.make_request(prompt, params, rid, req.priority, limits=limits,  # noqa: E731
+                                               default_max_tokens=DEFAULT_MAX_TOKENS)
+            return [with_parsing(make, parsing, reasoning)]
         except InvalidRequestError as e:
             raise grpc_error(e, which) from None
     if which != "prompts":
@@ -282,7 +283,8 @@ def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResp
 def _choice(req, o) -> pb.Choice:
     """A whole completion; with tools, its calls apart from its text (engine/tools.py parses them)."""
     answer = read_answer(req, o.text)
-    return pb.Choice(index=o.index, text=answer.content, token_ids=o.token_ids, finish_reason=finish_reason(o, answer.calls),
+    return pb.Choice(index=o.index, text=answer.content, token_ids=o.token_ids,
+                     finish_reason=finish_reason(o, answer.calls),
                      logprobs=logprobs(o.logprobs), tool_calls=tool_calls(answer.calls),
                      reasoning_content=answer.reasoning or "")
 

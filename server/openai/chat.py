@@ -33,7 +33,8 @@ class Chat:
         tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         fmt = tools and tool_format(engine.tokenizer, self.serving.state.options.tool_call_parser)
         options = self.serving.state.options
-        ids = render_chat(engine, body.messages, tools and tools.tools, check_template_kwargs(body.chat_template_kwargs))
+        template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+        ids = render_chat(engine, body.messages, tools and tools.tools, template_kwargs)
         reasoning = reasoning_for(engine.tokenizer, ids, options.reasoning_parser)
         params, parsing = constrain(tools, fmt, params, engine.tokenizer, reasoning)
         return [with_parsing(lambda: engine.make_request(ids, params, f"{rid}-0", body.priority or 0,
@@ -87,7 +88,7 @@ async def _chunks(body: ChatRequest, call: Call, outputs):
             for k, c in enumerate(answer.calls, stream.num_calls - len(answer.calls)):
                 for part in ({"index": k, "id": c.id, "type": "function", "function": {"name": c.name,
                                                                                         "arguments": ""}},
-                             {"index": k, "function": {"arguments": c.arguments}}):  # its id and name, then its arguments
+                             {"index": k, "function": {"arguments": c.arguments}}):  # id and name, then arguments
                     yield {**head, "choices": [{"index": out.index, "delta": {"tool_calls": [part]},
                                                 "logprobs": None, "finish_reason": None}]}
         if delta or out.finished or out.token_ids or first:

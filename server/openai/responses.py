@@ -171,7 +171,8 @@ def _response(body: ResponsesRequest, call: Call, status: str, output: list, out
 
 def _message(item_id: str, text: str, status: str = "completed") -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+            if status == "completed" else []}
 
 
 def _function_call(c, status: str = "completed", arguments: str | None = None) -> dict:
