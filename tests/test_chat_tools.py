@@ -280,3 +280,27 @@ def test_grpc_bad_tools_are_invalid_argument_naming_the_field(srv):
             c.stub.Generate(text, timeout=60)
         assert e.value.details().startswith("tools "), e.value.details()
         assert srv.engine.num_in_flight == 0
+
+
+def test_calls_stay_valid_under_preemption_and_chunked_prefill(tmp_path):
+    """A KV cache too small for the batch (sequences preempted and recomputed) and prompts prefilled in
+    chunks: every call still parses and validates, and every block comes back."""
+    path = build_tool_checkpoint(str(tmp_path), "qwen")
+    s = InProcessServer.for_config(engine_config(path, num_kv_blocks=120, max_num_seqs=6, max_num_batched_tokens=128),
+                                   ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
+    try:
+        oai = openai_client(s)
+
+        def one(i):
+            messages = [{"role": "user", "content": f"Anfrage {i}: " + "天気 " * (i * 7)}]
+            return oai.chat.completions.create(model="m", messages=messages, tools=TOOLS[:1], tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=150, temperature=1.0, seed=i)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(one, range(6)))
+        for r in results:
+            assert r.choices[0].finish_reason == "tool_calls"
+            check_calls(r.choices[0].message)
+        assert s.engine.stats().num_preemptions > 0
+        wait_all_blocks_free(Client(s.target, timeout=30))
+    finally:
+        s.stop()

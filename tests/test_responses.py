@@ -90,7 +90,8 @@ def test_json_schema_text_format(oai):
 @pytest.mark.parametrize("kw, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
     ({"input": [{"type": "computer_call_output", "call_id": "x"}]}, "input[0].type"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": []}, "input"),

@@ -34,8 +34,16 @@ class Responses:
             chat = to_chat(body)
         except InvalidRequestError as e:
             return error_for(e)
-        return await self.serving.generate(chat, request, "resp_", partial(self.chat.requests, chat),
+        return await self.serving.generate(chat, request, "resp_", partial(self._requests, chat),
                                            partial(_whole, body), partial(_events, body))
+
+    def _requests(self, chat: ChatRequest, engine, rid: str) -> list:
+        """The chat path's requests; its errors under the Responses API's names for the fields."""
+        try:
+            return self.chat.requests(chat, engine, rid)
+        except InvalidRequestError as e:
+            field = e.field.replace("tool_choice.function.", "tool_choice.").replace(".function.", ".")
+            raise e.renamed("input" if field.startswith("messages") else field) from None
 
 
 def to_chat(body: ResponsesRequest) -> ChatRequest:
