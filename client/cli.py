@@ -451,7 +451,8 @@ def _print_json(msg, lines: bool = False) -> None:
     print(json.dumps(value, indent=None if lines else 2, ensure_ascii=False), flush=True)
 
 
-_ONLY_WHEN_SET = ("logprobs", "prompt_logprobs", "prompt_token_ids", "prompt_text", "results")
+_ONLY_WHEN_SET = ("logprobs", "prompt_logprobs", "prompt_token_ids", "prompt_text", "results", "tool_calls",
+                  "reasoning_content")
 
 
 def _generation_json(msg) -> dict:
@@ -461,7 +462,7 @@ def _generation_json(msg) -> dict:
     repeat choice 0's, are left out."""
     d = _as_dict(msg)
     if "choices" in d:
-        for name in ("text", "token_ids", "finish_reason", "logprobs"):
+        for name in ("text", "token_ids", "finish_reason", "logprobs", "tool_calls", "reasoning_content"):
             d.pop(name, None)
         d["choices"] = [_set_fields(c) for c in d["choices"]]
     else:

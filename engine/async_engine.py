@@ -107,9 +107,13 @@ class AsyncEngine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """The prompt's token ids; tools (OpenAI's function tools, as the client sent them) go to the
+        template's `tools` argument; template_kwargs (checked: engine/reasoning.py) to the template."""
         check_messages(messages)  # the tokenizer's TypeError on a lone surrogate names nothing
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     @functools.cached_property

@@ -28,6 +28,8 @@ class EngineRequest:
     prompt_text: str | None = None  # the prompt as the caller wrote it, when given as whole text
     grammar: str | None = None  # params.structured_outputs, compiled (engine/structured.py)
     grammar_compile_s: float | None = None  # how long compiling it took, just before arrival_time (traces)
+    tool_parsing: object = None  # engine/tools.py ToolParsing: how its output's tool calls are read back
+    reasoning: object = None  # engine/reasoning.py Reasoning: how its output's reasoning is read back
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,8 @@ FINISH_REASONS = {
     "error": FinishNames("error", "UNSPECIFIED"),
     "time_limit": FinishNames("time_limit", "TIME_LIMIT"),  # not in OpenAI's enum: tests/openai_spec.py allows it
     "refused": FinishNames("error", "UNSPECIFIED"),  # never reaches a door: the call fails (QueueWaitError)
+    # not the engine's: a door's, for a completion that ended normally with tool calls (engine/tools.py)
+    "tool_calls": FinishNames("tool_calls", "TOOL_CALLS"),
 }
 
 

@@ -3,6 +3,7 @@ checks them when built), the limits on stop lists, and the prompt and max_tokens
 model's context and vocabulary (make_request). Every failure is an InvalidRequestError whose
 `field` is the engine's name for the input; each protocol renames it to its own spelling
 (server/convert.py: `max_tokens` -> `stopping.max_tokens`)."""
+import json
 import math
 import time
 import uuid
@@ -172,6 +173,8 @@ def check_messages(messages: list[dict]) -> None:
         for key, value in m.items():
             if isinstance(value, str):
                 check_text(f"messages[{i}].{key}", value)
+            elif key == "tool_calls":  # an assistant's calls: their names and arguments
+                check_text(f"messages[{i}].tool_calls", json.dumps(value, ensure_ascii=False, default=str))
 
 
 def _is_int(x) -> bool:

@@ -6,11 +6,16 @@ becomes the request field a client spells: "stopping.max_tokens must be >= 1, go
 """
 from __future__ import annotations
 
+import json
+
 from pagoda.engine.core_io import EngineRequest
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.outputs import FINISH_REASONS
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import StructuredOutputs
+from pagoda.engine.reasoning import reasoning_for
+from pagoda.engine.tools import (AnswerStream, check_tools, constrain, message_tool_fields, read_answer, tool_format,
+                                 with_parsing)
 from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
                                      new_request_id)
 from pagoda.server.options import ServerOptions
@@ -31,6 +36,11 @@ FIELDS.update({"structured_outputs": "structured_output", "structured_outputs.js
                "structured_outputs.choice": "structured_output.choice.choices",
                **{f"structured_outputs.{k}": f"structured_output.{k}" for k in ("json_object", "regex", "grammar")}})
 PROMPT_FIELDS = {"text": "text", "token_ids": "token_ids.ids", "messages": "messages"}
+# the engine's (OpenAI's) names of a tool's fields -> the request's
+TOOL_FIELDS = {"tool_choice.function.name": "tool_choice.function_name", ".function.name": ".name",
+               ".function.parameters": ".parameters_json"}
+TOOL_MODES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: "auto", pb.TOOL_CHOICE_MODE_NONE: "none",
+              pb.TOOL_CHOICE_MODE_AUTO: "auto", pb.TOOL_CHOICE_MODE_REQUIRED: "required"}
 
 
 def grpc_error(e: InvalidRequestError, prompt: str | None, where: str = "") -> InvalidRequestError:
@@ -41,13 +51,19 @@ def grpc_error(e: InvalidRequestError, prompt: str | None, where: str = "") -> I
         name = where + (PROMPT_FIELDS[prompt] if prompt is not None else "prompt")
     elif base.split(".")[0] in PROMPT_FIELDS:  # a part of the prompt: messages.messages[0].role
         name = where + base
+    elif base.startswith("tool"):  # tools[0].function.name -> tools[0].name
+        name = e.field
+        for engine_name, ours in TOOL_FIELDS.items():
+            name = name.replace(engine_name, ours)
+        return e.renamed(name)
     else:
         name = FIELDS.get(base, base)
     return e.renamed(name + bracket + index)
 
 
 def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine,
-                       limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None) -> list[EngineRequest]:
+                       limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None,
+                       options: ServerOptions | None = None) -> list[EngineRequest]:
     """A Generate(Stream)Request as checked, tokenized requests (engine.make_request): one, or one per
     prompt of `prompts` (ids suffixed -0, -1, ...). Raises InvalidRequestError naming the request's
     field. `request_id` (e.g. from x-request-id metadata) applies when the request's own is empty.
@@ -57,8 +73,21 @@ def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engin
     rid = req.request_id or request_id
     try:
         params = _params(req)
+        tools = _tools(req, which)
     except InvalidRequestError as e:
         raise grpc_error(e, which) from None
+    if which == "messages":  # a chat: tools, reasoning
+        options = options or ServerOptions()
+        try:
+            fmt = tools and tool_format(engine.tokenizer, options.tool_call_parser)
+            prompt = _prompt(req, which, engine, tools and tools.tools)
+            reasoning = reasoning_for(engine.tokenizer, prompt, options.reasoning_parser)
+            params, parsing = constrain(tools, fmt, params, engine.tokenizer, reasoning)
+            make = lambda: engine.make_request(prompt, params, rid, req.priority, limits=limits,  # noqa: E731
+                                               default_max_tokens=DEFAULT_MAX_TOKENS)
+            return [with_parsing(make, parsing, reasoning)]
+        except InvalidRequestError as e:
+            raise grpc_error(e, which) from None
     if which != "prompts":
         return [_request(req, which, "", params, rid, req, engine, limits)]
     prompts = req.prompts.prompts
@@ -106,6 +135,34 @@ def _params(req) -> SamplingParams:
                           logprobs=req.logprobs or top_logprobs > 0, top_logprobs=top_logprobs)
 
 
+def _tools(req, which):
+    """The request's tools as OpenAI's function tools (engine/tools.py checks them); None without tools."""
+    if not req.tools:
+        if req.HasField("tool_choice") or req.HasField("parallel_tool_calls"):
+            raise InvalidRequestError("tools", "must be given with tool_choice or parallel_tool_calls")
+        return None
+    if which != "messages":
+        raise InvalidRequestError("tools", "need a messages prompt (the chat template renders them)")
+    tools = []
+    for i, t in enumerate(req.tools):
+        f = {"name": t.name}
+        if t.description:
+            f["description"] = t.description
+        if t.parameters_json:
+            try:
+                f["parameters"] = json.loads(t.parameters_json)
+            except ValueError as e:
+                raise InvalidRequestError(f"tools[{i}].function.parameters", f"is not JSON text: {e}") from None
+        if t.HasField("strict"):
+            f["strict"] = t.strict
+        tools.append({"type": "function", "function": f})
+    c = req.tool_choice
+    which_choice = c.WhichOneof("choice") if req.HasField("tool_choice") else None
+    choice = ({"type": "function", "function": {"name": c.function_name}} if which_choice == "function_name"
+              else TOOL_MODES.get(c.mode, c.mode) if which_choice == "mode" else None)
+    return check_tools(tools, choice, req.parallel_tool_calls if req.HasField("parallel_tool_calls") else None)
+
+
 def _structured(so: pb.StructuredOutput) -> StructuredOutputs:
     kind = so.WhichOneof("kind")
     if kind is None:
@@ -119,7 +176,7 @@ def _structured(so: pb.StructuredOutput) -> StructuredOutputs:
     return StructuredOutputs(**{"json" if kind == "json_schema" else kind: value})
 
 
-def _prompt(req, which: str | None, engine) -> str | list[int]:
+def _prompt(req, which: str | None, engine, tools=None) -> str | list[int]:
     """The text as is (the engine tokenizes it), the token ids, or the messages through the chat template."""
     if which is None:
         raise InvalidRequestError("prompt", "must be set: one of text, token_ids, messages, prompts")
@@ -133,8 +190,12 @@ def _prompt(req, which: str | None, engine) -> str | list[int]:
     for i, m in enumerate(msgs):
         if not m.role:
             raise InvalidRequestError(f"messages.messages[{i}].role", "must not be empty")
+    messages = [{"role": m.role, "content": m.content, **message_tool_fields(
+        f"messages.messages[{i}]", m.role, m.tool_call_id if m.HasField("tool_call_id") else None,
+        [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+         for c in m.tool_calls])} for i, m in enumerate(msgs)]
     try:
-        ids = list(engine.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs]))
+        ids = list(engine.apply_chat_template(messages, tools))
     except InvalidRequestError as e:
         raise e.renamed(f"messages.{e.field}") from None
     except Exception as e:  # no template, a role the template rejects, ...: the request's fault
@@ -144,9 +205,13 @@ def _prompt(req, which: str | None, engine) -> str | list[int]:
     return ids
 
 
-def finish_reason(out) -> int:
-    """The FinishReason of an engine RequestOutput (UNSPECIFIED while not finished), through the one map."""
-    names = FINISH_REASONS.get(out.stop_reason) if out.finished else None
+def finish_reason(out, calls=()) -> int:
+    """The FinishReason of an engine RequestOutput (UNSPECIFIED while not finished), through the one map;
+    TOOL_CALLS where it ended normally after tool calls."""
+    reason = out.stop_reason
+    if calls and FINISH_REASONS.get(reason, FINISH_REASONS["error"]).openai == "stop":
+        reason = "tool_calls"
+    names = FINISH_REASONS.get(reason) if out.finished else None
     return pb.FinishReason.Value("FINISH_REASON_" + names.grpc) if names else pb.FINISH_REASON_UNSPECIFIED
 
 
@@ -174,13 +239,26 @@ def prompt_logprobs(items) -> list[pb.TokenLogprob]:
     return logprobs((items or [None])[1:])
 
 
-def stream_response(request_id: str, out, prompt_index: int = 0) -> pb.GenerateStreamResponse:
-    """One engine delta as a stream message; finish_reason and usage only on the last one."""
-    msg = pb.GenerateStreamResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                    logprobs=logprobs(out.logprobs), index=out.index, prompt_index=prompt_index,
-                                    prompt_logprobs=prompt_logprobs(out.prompt_logprobs))
+def tool_calls(calls) -> list[pb.ToolCall]:
+    return [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
+
+
+def answer_stream(req) -> AnswerStream | None:
+    """A streamed completion's reader of its tool calls and reasoning; None when it has neither."""
+    return AnswerStream(req) if req.tool_parsing is not None or req.reasoning is not None else None
+
+
+def stream_response(request_id: str, out, prompt_index: int = 0, answer=None) -> pb.GenerateStreamResponse:
+    """One engine delta as a stream message; finish_reason and usage only on the last one. `answer`: the
+    completion's AnswerStream (engine/tools.py) when a chat request's tool calls or reasoning are read."""
+    new = answer.feed(out.text, out.finished) if answer is not None else None
+    msg = pb.GenerateStreamResponse(request_id=request_id, text=new.content if new else out.text,
+                                    token_ids=out.token_ids, logprobs=logprobs(out.logprobs), index=out.index,
+                                    prompt_index=prompt_index, prompt_logprobs=prompt_logprobs(out.prompt_logprobs),
+                                    tool_calls=tool_calls(new.calls if new else []),
+                                    reasoning_content=(new and new.reasoning) or "")
     if out.finished:
-        msg.finish_reason = finish_reason(out)
+        msg.finish_reason = finish_reason(out, answer is not None and answer.num_calls)
         msg.usage.CopyFrom(usage(out))
     return msg
 
@@ -188,18 +266,27 @@ def stream_response(request_id: str, out, prompt_index: int = 0) -> pb.GenerateS
 def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResponse:
     """One prompt's whole completions (finished outputs, by index) as a GenerateResponse; with
     `prompt_text` (echo) the prompt too."""
-    choices = [pb.Choice(index=o.index, text=o.text, token_ids=o.token_ids, finish_reason=finish_reason(o),
-                         logprobs=logprobs(o.logprobs)) for o in outs]
+    choices = [_choice(req, o) for o in outs]
     total = usage(outs[0])
     total.completion_tokens = sum(o.num_generated_tokens for o in outs)
     prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
     resp = pb.GenerateResponse(request_id=req.request_id, text=choices[0].text, token_ids=choices[0].token_ids,
                                finish_reason=choices[0].finish_reason, usage=total, logprobs=choices[0].logprobs,
-                               choices=choices, prompt_logprobs=prompt_logprobs(prompt_lps))
+                               choices=choices, prompt_logprobs=prompt_logprobs(prompt_lps),
+                               tool_calls=choices[0].tool_calls, reasoning_content=choices[0].reasoning_content)
     if prompt_text is not None:
         resp.prompt_text = prompt_text
         resp.prompt_token_ids.extend(req.prompt_token_ids)
     return resp
+
+
+def _choice(req, o) -> pb.Choice:
+    """A whole completion; with tools, its calls apart from its text (engine/tools.py parses them)."""
+    answer = read_answer(req, o.text)
+    return pb.Choice(index=o.index, text=answer.content, token_ids=o.token_ids,
+                     finish_reason=finish_reason(o, answer.calls),
+                     logprobs=logprobs(o.logprobs), tool_calls=tool_calls(answer.calls),
+                     reasoning_content=answer.reasoning or "")
 
 
 def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: RequestLimits = DEFAULT_LIMITS,

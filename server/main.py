@@ -67,6 +67,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--served-model-name", "SERVED_MODEL_NAME", "the name(s) clients call the model by: HTTP's \"model\" "
         "(any of them; responses and GET /v1/models give the first) and GetModelInfo.model_id (default: --model "
         "as given; the demo model: pagoda-demo; env: names separated by spaces)", nargs="+", metavar="NAME")
+    opt("--tool-call-parser", "TOOL_CALL_PARSER", "how the model writes tool calls: hermes (Qwen2.5/Qwen3, "
+        "<tool_call>), llama3_json (Llama 3.1+) or mistral ([TOOL_CALLS]) (default: from the chat template)",
+        choices=["hermes", "llama3_json", "mistral"])
+    opt("--reasoning-parser", "REASONING_PARSER", "return a reasoning model's <think>...</think> apart, as "
+        "reasoning_content (default: when the chat template writes <think>)", choices=["deepseek_r1", "qwen3"])
     opt("--dtype", "DTYPE", "weights/compute dtype (default: auto)", default="auto",
         choices=["auto", "float32", "bfloat16", "float16"])
     opt("--quantization", "QUANTIZATION", "int8: linear weights in int8 (weight-only, per-output-channel "
@@ -203,6 +208,8 @@ def server_options(args: argparse.Namespace):
         served_model_names=_names(args.served_model_name),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )
 
 

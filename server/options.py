@@ -56,6 +56,10 @@ class ServerOptions:
     # observability
     metrics_port: int = 0  # 0: no metrics endpoint; -1: any free port (PagodaServer.metrics_port)
     metrics_host: str = "0.0.0.0"
+    # chat tools: the call format (engine/tools.py FORMATS); None: the chat template's
+    tool_call_parser: str | None = None
+    # reasoning models: read <think>...</think> apart (engine/reasoning.py PARSERS); None: when the template has it
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         def positive(name, integer=True, zero=False):
@@ -91,6 +95,13 @@ class ServerOptions:
         # -1 (not a flag value: for tests and embedding) binds any free port
         if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
+        if self.tool_call_parser is not None:
+            from pagoda.engine.tools import FORMATS  # noqa: PLC0415 - the engine's formats, not imported at startup
+
+            if self.tool_call_parser not in FORMATS:
+                raise ValueError(f"tool_call_parser must be one of {', '.join(FORMATS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
+            raise ValueError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:

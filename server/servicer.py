@@ -143,10 +143,11 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
         if _header_safe(rid) and len(rid) <= MAX_REQUEST_ID_LEN:
             await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
         # rendering and tokenizing a long text, or compiling a structured output, takes a while
-        if _prompt_chars(request) > LARGE_PROMPT_CHARS or request.HasField("structured_output"):
-            reqs = await asyncio.to_thread(convert.to_engine_requests, request, engine, state.limits, rid)
+        if _prompt_chars(request) > LARGE_PROMPT_CHARS or request.HasField("structured_output") or request.tools:
+            reqs = await asyncio.to_thread(convert.to_engine_requests, request, engine, state.limits, rid,
+                                           state.options)
         else:
-            reqs = convert.to_engine_requests(request, engine, state.limits, rid)
+            reqs = convert.to_engine_requests(request, engine, state.limits, rid, state.options)
         state.check_call_size(len(reqs), "prompts")
         return reqs, open_requests(state, engine, reqs, record, stack, rid)
 
@@ -182,10 +183,14 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
                 contextlib.AsyncExitStack() as stack:
             reqs, outputs = await self._open(engine, request, context, record, stack)
             started: set[int] = set()  # prompts whose first message went out
+            answers = {}  # (prompt, completion) -> its AnswerStream, when its calls or reasoning are read
             async for i, out in outputs:
                 first = i not in started
+                if (i, out.index) not in answers:
+                    answers[i, out.index] = convert.answer_stream(reqs[i])
+                stream = answers[i, out.index]
                 if out.token_ids or out.text or out.finished or (first and out.prompt_logprobs is not None):
-                    msg = convert.stream_response(reqs[i].request_id, out, i)
+                    msg = convert.stream_response(reqs[i].request_id, out, i, stream)
                     if first and request.echo:
                         msg.prompt_token_ids.extend(reqs[i].prompt_token_ids)
                         msg.prompt_text = engine.prompt_text(reqs[i])

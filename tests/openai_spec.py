@@ -31,7 +31,8 @@ SPEC_PATH = Path(__file__).resolve().parent / "data" / "openai-openapi.yaml"
 SPEC_URI = "urn:openai-openapi"
 STREAM_SCHEMAS = {"chat": "CreateChatCompletionStreamResponse",
                   # the specification streams completions as the whole response's type
-                  "completion": "CreateCompletionResponse"}
+                  "completion": "CreateCompletionResponse",
+                  "responses": "ResponseStreamEvent"}
 # Where a stream chunk cannot follow the specification, and what it may do instead: a completion
 # chunk before a choice's last has no finish reason yet, but CreateCompletionResponse requires one and
 # does not allow null (OpenAI's API sends null there, as chat chunks do by their schema).
@@ -308,7 +309,9 @@ class CheckingTransport(httpx.BaseTransport):
         if not path.startswith("/v1/") or response.headers.get("content-encoding"):
             return response
         if ctype.startswith("text/event-stream"):
-            kind = "chat" if path.rstrip("/").endswith("/chat/completions") else "completion"
+            end = path.rstrip("/")
+            kind = "chat" if end.endswith("/chat/completions") else "responses" if end.endswith("/responses") else \
+                "completion"
             response.stream = _CheckedEvents(response.stream, kind, self)
         elif ctype.startswith("application/json"):
             data = b"".join(response.stream)

@@ -124,7 +124,10 @@ def test_request_field_names(msg):
     assert {f.name for f in one.oneofs_by_name["prompt"].fields} == {"text", "token_ids", "messages"}
     assert [f.name for f in d.fields_by_name["token_ids"].message_type.fields] == ["ids"]
     chat = d.fields_by_name["messages"].message_type.fields_by_name["messages"].message_type
-    assert {f.name for f in chat.fields} == {"role", "content"}
+    assert {f.name for f in chat.fields} == {"role", "content", "tool_call_id", "tool_calls"}
+    assert chat.fields_by_name["tool_call_id"].has_presence and d.fields_by_name["parallel_tool_calls"].has_presence
+    tool = d.fields_by_name["tools"].message_type
+    assert [f.name for f in tool.fields] == ["name", "description", "parameters_json", "strict"]
     for name in ("request_id", "logprobs", "top_logprobs", "priority", "echo"):
         assert name in d.fields_by_name
     assert d.fields_by_name["prompt_logprobs"].has_presence and d.fields_by_name["echo"].has_presence

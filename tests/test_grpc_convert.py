@@ -24,12 +24,13 @@ TOKENIZER = SimpleNamespace(encode=lambda text: list(text.encode()))
 class Engine:
     """What convert needs of AsyncEngine: make_request (the engine's own validation) and the chat template."""
     model_info = INFO
+    tokenizer = TOKENIZER
 
     def make_request(self, prompt, params, request_id=None, priority=0, **kw):
         return make_request(prompt, params, model=ModelLimits(INFO.vocab_size, INFO.max_model_len),
                             tokenizer=TOKENIZER, request_id=request_id, priority=priority, **kw)
 
-    def apply_chat_template(self, msgs):
+    def apply_chat_template(self, msgs, tools=None):
         return [258] + [b for m in msgs for b in m["content"].encode()]
 
 

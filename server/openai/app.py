@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.server.auth import check_key, key_digest
 from pagoda.server.openai.chat import Chat
+from pagoda.server.openai.responses import Responses
 from pagoda.server.openai.completions import Completions
 from pagoda.server.openai.errors import error_response
 from pagoda.server.openai.routes import Routes
@@ -31,6 +32,7 @@ class OpenAIServer:
         self._key = key_digest(state.options.api_key) if state.options.api_key else None
         serving = Serving(state)
         completions, chat, routes = Completions(serving), Chat(serving), Routes(serving)
+        responses = Responses(chat)
         # no redirect for a trailing slash: each route answers with and without one
         self.app = FastAPI(title="pagoda", openapi_url=None, docs_url=None, redoc_url=None, redirect_slashes=False)
         self.app.add_exception_handler(RequestValidationError, _invalid_body)
@@ -38,6 +40,7 @@ class OpenAIServer:
         self.app.middleware("http")(self._guard)
         for method, path, handler in (
                 ("POST", "/v1/completions", completions.create), ("POST", "/v1/chat/completions", chat.create),
+                ("POST", "/v1/responses", responses.create),
                 ("GET", "/v1/models", routes.models), ("GET", "/v1/models/{model_id:path}", routes.model),
                 ("POST", "/tokenize", routes.tokenize), ("POST", "/detokenize", routes.detokenize),
                 ("GET", "/health", routes.health), ("GET", "/stats", routes.stats), ("GET", "/version", routes.version),

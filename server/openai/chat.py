@@ -8,6 +8,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.reasoning import check_template_kwargs, reasoning_for
+from pagoda.engine.tools import (AnswerStream, check_tools, constrain, message_tool_fields, read_answer, tool_format,
+                                 with_parsing)
 from pagoda.server.openai.protocol import ChatMessage, ChatRequest, sampling_params
 from pagoda.server.openai.serving import Call, Serving, usage
 
@@ -17,26 +20,47 @@ class Chat:
         self.serving = serving
 
     async def create(self, body: ChatRequest, request: Request) -> Response:
-        return await self.serving.generate(body, request, "chatcmpl-", partial(self._requests, body),
+        return await self.serving.generate(body, request, "chatcmpl-", partial(self.requests, body),
                                            partial(_whole, body), partial(_chunks, body))
 
-    def _requests(self, body: ChatRequest, engine, rid: str) -> list:
+    def requests(self, body: ChatRequest, engine, rid: str) -> list:
+        """The chat request's EngineRequest (also the Responses API's, as a chat request)."""
         # max_completion_tokens (OpenAI's newer name) wins where both are given, as in vLLM
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs and not body.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
         params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        ids = render_chat(engine, body.messages)
-        return [engine.make_request(ids, params, f"{rid}-0", body.priority or 0, limits=self.serving.state.limits)]
+        tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        fmt = tools and tool_format(engine.tokenizer, self.serving.state.options.tool_call_parser)
+        options = self.serving.state.options
+        template_kwargs = check_template_kwargs(body.chat_template_kwargs)
+        ids = render_chat(engine, body.messages, tools and tools.tools, template_kwargs)
+        reasoning = reasoning_for(engine.tokenizer, ids, options.reasoning_parser)
+        params, parsing = constrain(tools, fmt, params, engine.tokenizer, reasoning)
+        return [with_parsing(lambda: engine.make_request(ids, params, f"{rid}-0", body.priority or 0,
+                                                         limits=self.serving.state.limits), parsing, reasoning)]
 
 
 def _whole(body: ChatRequest, call: Call, outs: list) -> dict:
-    choices = [_with_extras(body, call, out, {
-        "index": out.index, "message": {"role": "assistant", "content": out.text, "refusal": None},
-        "logprobs": None if out.logprobs is None else call.logprobs.chat(out.logprobs),
-        "finish_reason": out.finish_reason}) for _, out in outs]
+    choices = []
+    for _, out in outs:
+        answer = read_answer(call.reqs[0], out.text)
+        message = {"role": "assistant", "content": answer.content if answer.content or not answer.calls else None,
+                   "refusal": None}
+        if answer.reasoning is not None:
+            message["reasoning_content"] = answer.reasoning or None
+        if answer.calls:
+            message["tool_calls"] = [_tool_call(c) for c in answer.calls]
+        finish = "tool_calls" if answer.calls and out.finish_reason == "stop" else out.finish_reason
+        choices.append(_with_extras(body, call, out, {
+            "index": out.index, "message": message,
+            "logprobs": None if out.logprobs is None else call.logprobs.chat(out.logprobs), "finish_reason": finish}))
     return {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": usage(out for _, out in outs)}
+
+
+def _tool_call(c) -> dict:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 async def _chunks(body: ChatRequest, call: Call, outputs):
@@ -49,15 +73,29 @@ async def _chunks(body: ChatRequest, call: Call, outputs):
     for k in range(body.n or 1):
         yield {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]}
-    lasts = {}
+    lasts, streams = {}, {}
+    req = call.reqs[0]
+    for_answer = req.tool_parsing is not None or req.reasoning is not None
     async for _, out in outputs:
         first = out.index not in lasts
         lasts[out.index] = out
-        if out.text or out.finished or out.token_ids or first:
+        delta, finish = {"content": out.text} if out.text else {}, out.finish_reason
+        if for_answer:
+            stream = streams.setdefault(out.index, AnswerStream(req))
+            answer = stream.feed(out.text, out.finished)
+            delta = {k: v for k, v in (("reasoning_content", answer.reasoning), ("content", answer.content)) if v}
+            finish = "tool_calls" if finish == "stop" and stream.num_calls else finish
+            for k, c in enumerate(answer.calls, stream.num_calls - len(answer.calls)):
+                for part in ({"index": k, "id": c.id, "type": "function", "function": {"name": c.name,
+                                                                                        "arguments": ""}},
+                             {"index": k, "function": {"arguments": c.arguments}}):  # id and name, then arguments
+                    yield {**head, "choices": [{"index": out.index, "delta": {"tool_calls": [part]},
+                                                "logprobs": None, "finish_reason": None}]}
+        if delta or out.finished or out.token_ids or first:
             yield {**head, "choices": [_with_extras(body, call, out, {
-                "index": out.index, "delta": {"content": out.text} if out.text else {},
+                "index": out.index, "delta": delta,
                 "logprobs": None if out.logprobs is None else call.logprobs.chat(out.logprobs),
-                "finish_reason": out.finish_reason})]}
+                "finish_reason": finish})]}
     if include_usage:
         yield {**head, "choices": [], "usage": usage(lasts.values())}
 
@@ -72,13 +110,14 @@ def _with_extras(body: ChatRequest, call: Call, out, choice: dict) -> dict:
 
 
 # Roles as the chat template knows them: "developer" is OpenAI's newer name for "system".
-_TEMPLATE_ROLE = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant"}
+_TEMPLATE_ROLE = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def render_chat(engine, messages: list[ChatMessage]) -> list[int]:
-    """A conversation's prompt token ids, through the model's chat template."""
+def render_chat(engine, messages: list[ChatMessage], tools: list | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
+    """A conversation's prompt token ids, through the model's chat template (with the tools, as sent)."""
     try:
-        return engine.apply_chat_template(_chat_messages(messages))
+        return engine.apply_chat_template(_chat_messages(messages), tools, template_kwargs)
     except InvalidRequestError:
         raise
     except Exception as e:  # no template, a role the template refuses, ...
@@ -94,16 +133,20 @@ def _chat_messages(messages: list[ChatMessage]) -> list[dict]:
 def _chat_message(i: int, m: ChatMessage) -> dict:
     where = f"messages[{i}]"
     if m.role not in _TEMPLATE_ROLE:
-        raise InvalidRequestError(f"{where}.role", f"{m.role!r} is not supported by this server: it serves no tools")
-    if m.tool_calls or m.function_call is not None:
-        field = "tool_calls" if m.tool_calls else "function_call"
-        raise InvalidRequestError(f"{where}.{field}", "is not supported by this server: it serves no tools")
-    if m.tool_call_id is not None or (m.role != "assistant" and (m.refusal, m.audio, m.annotations) != (None,) * 3):
-        field = next(f for f in ("tool_call_id", "refusal", "audio", "annotations") if getattr(m, f) is not None)
+        raise InvalidRequestError(f"{where}.role", f"{m.role!r} is not a role this server takes (one of "
+                                                   f"{', '.join(_TEMPLATE_ROLE)})")
+    if m.function_call is not None:
+        raise InvalidRequestError(f"{where}.function_call", "is not supported by this server: use tool_calls")
+    if m.role != "assistant" and (m.refusal, m.audio, m.annotations) != (None,) * 3:
+        field = next(f for f in ("refusal", "audio", "annotations") if getattr(m, f) is not None)
         raise InvalidRequestError(f"{where}.{field}", f"is not a field of a {m.role} message")
     if m.content is None and m.role != "assistant":
         raise InvalidRequestError(f"{where}.content", "is required")
-    return {"role": _TEMPLATE_ROLE[m.role], "content": _text_of(where, m.content)}
+    out = {"role": _TEMPLATE_ROLE[m.role], "content": _text_of(where, m.content),
+           **message_tool_fields(where, m.role, m.tool_call_id, m.tool_calls)}
+    if m.name is not None and m.role == "tool":
+        out["name"] = m.name
+    return out
 
 
 def _text_of(where: str, content) -> str:

@@ -137,6 +137,7 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: only engine/reasoning.py TEMPLATE_KWARGS (enable_thinking)
 
 
 class TokenizeRequest(_Fields):
@@ -156,7 +157,7 @@ class DetokenizeRequest(_Fields):
 # Fields of OpenAI's that this server takes only at a value that changes nothing (besides null).
 _ONLY_DEFAULTS = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"], []), "moderation": (),
                   "audio": (), "prediction": (), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-                  "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+                  "functions": ([],), "function_call": ("none",),
                   "suffix": ("",)}
 
 
@@ -229,3 +230,51 @@ def renamed(e: InvalidRequestError, param: str) -> InvalidRequestError:
     """A structured output's error under the field the request gave it in (an index kept)."""
     _, bracket, index = e.field.partition("[")
     return e.renamed(param + bracket + index)
+
+
+class ResponsesTextFormat(_Fields):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponsesText(_Fields):
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None  # accepted, not used
+
+
+class ResponsesRequest(_Fields):
+    """POST /v1/responses (OpenAI's Responses API), stateless: what a chat request can say, in its shape."""
+    model: str | None = None
+    input: str | list[dict]
+    instructions: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: ResponsesText | None = None
+    stream: bool | None = None
+    stream_options: dict | None = None  # accepted (include_obfuscation): events are not padded
+    previous_response_id: str | None = None  # refused: this server keeps no responses
+    conversation: str | dict | None = None  # likewise
+    store: bool | None = None  # accepted: nothing is stored whatever it says
+    include: list[str] | None = None  # only []: no extra output
+    metadata: dict[str, str] | None = None
+    truncation: str | None = None  # only "disabled"
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    service_tier: str | None = None
+    reasoning: dict | None = None  # only null / {} (no effort setting here)
+    background: bool | None = None  # only false
+    max_tool_calls: Int | None = None  # only null
+    top_logprobs: Int | None = None  # only null / 0
+    # vLLM's extras, as in chat
+    seed: Int | None = None
+    logit_bias: dict[str, float] | None = None
+    chat_template_kwargs: dict | None = None

@@ -162,7 +162,7 @@ async def _disconnected(request: Request) -> None:
 def _big(body) -> bool:
     """A prompt long enough that rendering and tokenizing it should leave the event loop, or a
     structured output (its compiling may take a while)."""
-    if structured(body)[0] is not None:
+    if structured(body)[0] is not None or getattr(body, "tools", None):
         return True
     text = getattr(body, "prompt", None)
     if isinstance(text, str):

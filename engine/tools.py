@@ -1,0 +1,499 @@
+"""Tool calling: the one home of tool-call formats (how a model family writes a call, the grammar
+that makes it write only well-formed, schema-valid calls, and how its output is parsed back) and
+of a request's tools (checked, then rendered by the chat template and compiled to that grammar).
+
+A format is chosen from the chat template's text (detect) or by name (--tool-call-parser, vLLM's
+flag and names). The grammar is llguidance Lark with each function's parameters inlined as %json
+with fixed separators (a weak model cannot pad a call with whitespace until max_tokens):
+  - "required" / a named function: the whole output is the format's calls (one, or several when
+    parallel_tool_calls);
+  - "auto": free text, or free text then calls. The free text is one lexeme that cannot spell the
+    trigger (a special token it never produces, or Llama's "{" at the start), so it costs llguidance
+    one cheap mask per step;
+  - "none": tools rendered in the prompt, nothing constrained or parsed.
+Parsing (scan) returns the calls that parse and name a tool; anything after the first one that
+does not (a call cut short by max_tokens) is returned as content, never as a malformed call. The
+stream is scanned with the same function, so the concatenated stream equals the unary answer."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.validation import check_text
+
+CHOICES = ("none", "auto", "required")
+# the separators every call is written with (Qwen's and Llama's own style: json.dumps' defaults)
+_SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_DUMPS = dict(ensure_ascii=False, separators=(", ", ": "))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+    id: str = ""
+
+    @staticmethod
+    def new(name: str, arguments: dict) -> "ToolCall":
+        return ToolCall(name, json.dumps(arguments, **_DUMPS), "call_" + uuid.uuid4().hex[:24])
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What an output holds: `content` (the text before any call, and whatever follows the last call
+    that parsed), and the calls; `pending` (streaming): text held back because a call may be under way."""
+    content: str
+    calls: list
+    pending: bool = False
+
+
+class ToolFormat:
+    """A model family's way of writing calls: `trigger` (the text a call region starts with),
+    `key` (the arguments' key in a call object)."""
+    name = ""
+    trigger = ""
+    key = "arguments"
+    markers = ()  # strings in a chat template that mean this format
+
+    def call_schema(self, tool: dict) -> dict:
+        """One call of `tool` as a JSON object schema (the tool's $defs moved to the root so its
+        "#/$defs/..." references still resolve)."""
+        params = copy.deepcopy(tool.get("parameters") or {"type": "object", "properties": {}})
+        defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+        return {"type": "object", "properties": {"name": {"const": tool["name"]}, self.key: params},
+                "required": ["name", self.key], "additionalProperties": False, **defs, "x-guidance": _SEPARATORS}
+
+    def grammar(self, tools: list[dict], parallel: bool, auto: bool, token) -> str:
+        """The Lark grammar of an output: calls only, or (auto) free text or text then calls.
+        token(text) -> the grammar's spelling of a marker (a special token as <[id]>, else a literal)."""
+        rules = [f"c{i}: %json {json.dumps(self.call_schema(t), ensure_ascii=False)}" for i, t in enumerate(tools)]
+        call = " | ".join(f"c{i}" for i in range(len(tools)))
+        lines = [*self.calls_rules(call, parallel, token), *rules]
+        if auto:
+            lines = [*self.auto_rules(token), *lines]
+        else:
+            lines = ["start: calls", *lines]
+        return "\n".join(lines)
+
+    def calls_rules(self, call: str, parallel: bool, token) -> list[str]:
+        raise NotImplementedError
+
+    def auto_rules(self, token) -> list[str]:
+        """Free text, or calls after free text: the text cannot spell the trigger when it is a token."""
+        trig = token(self.trigger)
+        if trig.startswith("<["):
+            text = r"TEXT: /(.|\n)+/"
+            return ["start: TEXT? calls?", text]  # an empty answer too
+        # the trigger is plain text: calls only at the start, text never spells it
+        esc = json.dumps(self.trigger)[1:-1].replace("/", "\\/")
+        esc = "".join("\\" + c if c in ".[]()|*+?{}^$" else c for c in esc)
+        return ["start: TEXT? | calls", rf"TEXT: /(.|\n)+/ & ~/(.|\n)*{esc}(.|\n)*/"]
+
+    def scan(self, text: str, names: set, final: bool = True) -> Scan:
+        """The content and calls of an output (final: it has ended; else a stream's text so far)."""
+        start = self.region(text)
+        if start < 0:
+            held = 0 if final else _partial_suffix(text, self.trigger)
+            return Scan(text[:len(text) - held], [], held > 0)
+        calls, end, complete = self.parse_calls(text, start, names)
+        if not final and not complete:
+            return Scan(text[:start], calls, True)
+        rest = text[end if calls else start:]
+        return Scan(text[:start] + (rest if rest.strip() or not calls else ""), calls)
+
+    def region(self, text: str) -> int:
+        return text.find(self.trigger)
+
+    def parse_calls(self, text: str, start: int, names: set) -> tuple[list, int, bool]:
+        """(calls parsed from start on, where the parsed part ends, whether the region is complete)."""
+        raise NotImplementedError
+
+    def call_of(self, obj) -> ToolCall | None:
+        if (isinstance(obj, dict) and set(obj) == {"name", self.key} and isinstance(obj["name"], str)
+                and isinstance(obj[self.key], dict)):
+            return ToolCall.new(obj["name"], obj[self.key])
+        return None
+
+
+class Hermes(ToolFormat):
+    """Hermes / Qwen2.5 / Qwen3: <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one
+    block per call, blocks separated by a newline."""
+    name = "hermes"
+    trigger, end = "<tool_call>", "</tool_call>"
+    markers = ("<tool_call>",)
+
+    def calls_rules(self, call, parallel, token):
+        more = ' ("\\n" block)*' if parallel else ""
+        return ["calls: block" + more, f'block: {token(self.trigger)} "\\n" ({call}) "\\n" {token(self.end)}']
+
+    def parse_calls(self, text, start, names):
+        calls, pos = [], start
+        while True:
+            head = _skip_ws(text, pos)
+            rest = text[head:]
+            if not rest.startswith(self.trigger):  # complete unless what follows may begin another block
+                return calls, pos, bool(rest) and not self.trigger.startswith(rest)
+            close = text.find(self.end, head)
+            if close < 0:
+                return calls, pos, False
+            call = self.call_of(_loads(text[head + len(self.trigger):close]))
+            if call is None or call.name not in names:
+                return calls, pos, True
+            calls.append(call)
+            pos = close + len(self.end)
+
+
+class Llama3Json(ToolFormat):
+    """Llama 3.1+ JSON calls: {"name": ..., "parameters": {...}} at the start of the answer, several
+    separated by "; " (vLLM's llama3_json)."""
+    name = "llama3_json"
+    trigger, key = "{", "parameters"
+    markers = ("<|python_tag|>", "ipython")
+
+    def calls_rules(self, call, parallel, token):
+        more = f' ("; " ({call}))*' if parallel else ""
+        return [f"calls: ({call})" + more]
+
+    def auto_rules(self, token):
+        return ["start: TEXT? | calls", r"TEXT: /[^{](.|\n)*/"]
+
+    def region(self, text):
+        return 0 if text.startswith(self.trigger) else -1
+
+    def parse_calls(self, text, start, names):
+        calls, pos, decoder = [], start, json.JSONDecoder()
+        while True:
+            try:
+                obj, end = decoder.raw_decode(text, pos)
+            except ValueError:
+                return calls, pos, False
+            call = self.call_of(obj)
+            if call is None or call.name not in names:
+                return calls, pos, True
+            calls.append(call)
+            pos = end
+            if not text.startswith("; ", pos):
+                return calls, pos, not "; ".startswith(text[pos:]) or pos == len(text)
+            pos += 2
+
+
+class Mistral(ToolFormat):
+    """Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...], one array of calls."""
+    name = "mistral"
+    trigger = "[TOOL_CALLS]"
+    markers = ("[TOOL_CALLS]",)
+
+    def grammar(self, tools, parallel, auto, token):
+        items = {"anyOf": [self.call_schema(t) for t in tools]}
+        for item in items["anyOf"]:  # the options go at the root, with every $defs
+            item.pop("x-guidance")
+            for k in ("$defs", "definitions"):
+                if k in item:
+                    items.setdefault(k, {}).update(item.pop(k))
+        defs = {k: items.pop(k) for k in ("$defs", "definitions") if k in items}
+        schema = {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                  **defs, "x-guidance": _SEPARATORS}
+        calls = [f"calls: {token(self.trigger)} arr", f"arr: %json {json.dumps(schema, ensure_ascii=False)}"]
+        return "\n".join([*(self.auto_rules(token) if auto else ["start: calls"]), *calls])
+
+    def parse_calls(self, text, start, names):
+        pos = start + len(self.trigger)
+        if not text.startswith("[", pos):
+            return [], start, len(text) > pos
+        calls, pos, decoder = [], pos + 1, json.JSONDecoder()
+        while True:  # element by element: the calls before one cut short are whole
+            try:
+                obj, end = decoder.raw_decode(text, pos)
+            except ValueError:
+                return calls, pos, False
+            call = self.call_of(obj)
+            if call is None or call.name not in names:
+                return calls, pos, True
+            calls.append(call)
+            if text.startswith("]", end):
+                return calls, end + 1, True
+            if not text.startswith(", ", end):
+                return calls, end, not ", ".startswith(text[end:])
+            pos = end + 2
+
+
+FORMATS = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}
+
+
+def detect(chat_template) -> ToolFormat | None:
+    """The call format a chat template speaks, from its text; None: it renders no tools."""
+    if isinstance(chat_template, dict):  # several named templates: the one used by default
+        chat_template = chat_template.get("default") or next(iter(chat_template.values()), "")
+    text = chat_template or ""
+    if "tools" not in text:
+        return None
+    for fmt in FORMATS.values():
+        if any(m in text for m in fmt.markers):
+            return fmt
+    return FORMATS["hermes"]  # a template that renders tools with no marker of its own: the commonest format
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools, checked: `tools` exactly as the client sent them (what the chat template
+    renders), `choice`: none, auto, required or a function's name; `parallel`: several calls allowed."""
+    tools: list
+    choice: str
+    parallel: bool = True
+
+    @property
+    def names(self) -> set:
+        return {t["function"]["name"] for t in self.tools}
+
+    @property
+    def constrains(self) -> bool:
+        return self.choice != "none"
+
+    def grammar(self, fmt: ToolFormat, token) -> str:
+        funcs = [t["function"] for t in self.tools]
+        if self.choice not in ("auto", "required"):
+            funcs = [f for f in funcs if f["name"] == self.choice]
+        return fmt.grammar(funcs, self.parallel and self.choice in ("auto", "required"), self.choice == "auto", token)
+
+
+def check_tools(tools, tool_choice=None, parallel_tool_calls=None) -> ToolRequest | None:
+    """A request's tools, tool_choice and parallel_tool_calls (OpenAI's shapes), checked; None when no
+    tools are given. Raises InvalidRequestError naming the field."""
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none"):
+            raise InvalidRequestError("tool_choice", "needs tools")
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools", "must be a list of {\"type\": \"function\", \"function\": {...}}")
+    check_text("tools", json.dumps(tools, ensure_ascii=False, default=str))
+    seen = set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise InvalidRequestError(where, "must be {\"type\": \"function\", \"function\": {\"name\": ..., "
+                                             "\"parameters\": {...}}}: this server calls functions only")
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-" for c in name):
+            raise InvalidRequestError(f"{where}.function.name",
+                                      f"must be 1 to 64 letters, digits, _ or -, got {name!r}")
+        if name in seen:
+            raise InvalidRequestError(f"{where}.function.name", f"{name!r} is given twice")
+        seen.add(name)
+        params = f.get("parameters")
+        if params is not None and (not isinstance(params, dict) or params.get("type", "object") != "object"):
+            raise InvalidRequestError(f"{where}.function.parameters", "must be a JSON Schema of an object")
+    choice = _choice(tool_choice, seen)
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise InvalidRequestError("parallel_tool_calls", f"must be a bool, got {parallel_tool_calls!r}")
+    return ToolRequest(tools, choice, parallel_tool_calls is not False)
+
+
+def _choice(tool_choice, names: set) -> str:
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, str):
+        if tool_choice not in CHOICES:
+            raise InvalidRequestError("tool_choice", f"must be one of {', '.join(CHOICES)} or "
+                                                     f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, "
+                                                     f"got {tool_choice!r}")
+        return tool_choice
+    f = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = f.get("name") if isinstance(f, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise InvalidRequestError("tool_choice", "must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if name not in names:
+        raise InvalidRequestError("tool_choice.function.name", f"{name!r} is not one of the tools given")
+    return name
+
+
+def token_spelling(tokenizer):
+    """token(text) for grammars: a text that is one added token of the tokenizer as <[id]> (llguidance
+    sees added tokens as special), else a Lark literal."""
+    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
+
+    def token(text: str) -> str:
+        return f"<[{added[text]}]>" if text in added else json.dumps(text, ensure_ascii=False)
+    return token
+
+
+def _without(text: str, drop: tuple) -> str:
+    for t in drop:
+        if t in text:
+            text = text.replace(t, "")
+    return text
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \n\t\r":
+        pos += 1
+    return pos
+
+
+def _partial_suffix(text: str, trigger: str) -> int:
+    """The length of text's longest suffix that begins the trigger (held back while streaming)."""
+    for n in range(min(len(trigger) - 1, len(text)), 0, -1):
+        if trigger.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ToolStream:
+    """A streamed choice's text scanned as it grows: feed(delta) -> (new content, new calls); content
+    is given as soon as it cannot be the start of a call, each call once whole."""
+
+    def __init__(self, fmt: ToolFormat, names: set, drop: tuple = ()):
+        self.fmt, self.names, self.drop = fmt, names, drop
+        self.text, self.sent, self.num_calls = "", 0, 0
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list]:
+        self.text += delta  # a special token's text comes whole, in one delta
+        scan = self.fmt.scan(_without(self.text, self.drop), self.names, final)
+        content, self.sent = scan.content[self.sent:], max(self.sent, len(scan.content))
+        calls, self.num_calls = scan.calls[self.num_calls:], max(self.num_calls, len(scan.calls))
+        return content, calls
+
+
+def tool_format(tokenizer, name: str | None = None) -> ToolFormat:
+    """The call format for a request with tools: `name` (--tool-call-parser) or the chat template's;
+    InvalidRequestError naming `tools` when the template renders no tools."""
+    if name is not None:
+        return FORMATS[name]
+    fmt = detect(getattr(tokenizer, "chat_template", None))
+    if fmt is None:
+        raise InvalidRequestError("tools", "are not supported by this model: its chat template renders no tools")
+    return fmt
+
+
+@dataclass(frozen=True)
+class ToolParsing:
+    """How a request's output is read back (kept on its EngineRequest): the format, the functions, and
+    the special tokens' texts that are no part of the answer (the output keeps special tokens for the
+    format's markers: EOS and the like are dropped here)."""
+    format: str
+    names: frozenset
+    drop: tuple = ()
+
+    def scan(self, text: str) -> Scan:
+        return FORMATS[self.format].scan(_without(text, self.drop), self.names)
+
+    def stream(self) -> ToolStream:
+        return ToolStream(FORMATS[self.format], self.names, self.drop)
+
+
+def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokenizer, reasoning=None):
+    """(params, ToolParsing) of a request whose tools are rendered: with tool_choice other than none,
+    its output constrained to the format's calls (the markers kept in the text, which is parsed);
+    else (params, None). Every door goes through here."""
+    from pagoda.engine.structured import StructuredOutputs
+
+    if tools is None or not tools.constrains:
+        return params, None
+    if params.structured_outputs is not None:
+        raise InvalidRequestError("structured_outputs", f"conflicts with tool_choice {tools.choice!r}: set "
+                                                        f"tool_choice none for a structured answer")
+    token = token_spelling(tokenizer)
+    grammar = tools.grammar(fmt, token)
+    if reasoning is not None:
+        grammar = reasoning.wrap(grammar, token)
+    markers = {fmt.trigger, getattr(fmt, "end", None)}
+    drop = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if t not in markers)
+    return (params.replace(structured_outputs=StructuredOutputs(grammar=grammar), skip_special_tokens=False),
+            ToolParsing(fmt.name, frozenset(tools.names), drop))
+
+
+def with_parsing(make, parsing: ToolParsing | None, reasoning=None):
+    """make() -> an EngineRequest, given its ToolParsing and Reasoning (how its output is read back); a
+    tool schema llguidance refuses names `tools`."""
+    import dataclasses
+
+    try:
+        req = make()
+    except InvalidRequestError as e:
+        if not (parsing and e.field.startswith("structured_outputs")):
+            raise
+        why = re.split(r" \d+ \| ", e.message)[0].replace("is invalid: ", "")  # not the grammar's lines
+        raise InvalidRequestError("tools", f"hold a parameters schema that cannot be enforced: {why}") from None
+    return dataclasses.replace(req, tool_parsing=parsing, reasoning=reasoning) if parsing or reasoning else req
+
+
+def message_tool_fields(where: str, role: str, tool_call_id, tool_calls) -> dict:
+    """A chat message's tool fields as chat templates read them, checked (`where`: the message's field
+    path, e.g. "messages[2]"): a tool message's tool_call_id; an assistant's tool_calls (OpenAI's shape,
+    their arguments parsed to an object: templates write them with tojson, as vLLM gives them)."""
+    out = {}
+    if tool_calls and role != "assistant":
+        raise InvalidRequestError(f"{where}.tool_calls", f"is not a field of a {role} message")
+    if (tool_call_id is not None) != (role == "tool"):
+        raise InvalidRequestError(f"{where}.tool_call_id", "is required in a tool message" if role == "tool"
+                                  else f"is not a field of a {role} message")
+    if tool_call_id is not None:
+        out["tool_call_id"] = check_text(f"{where}.tool_call_id", tool_call_id)
+    if tool_calls:
+        out["tool_calls"] = [_template_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(tool_calls)]
+    return out
+
+
+def _template_call(where: str, c) -> dict:
+    f = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
+        raise InvalidRequestError(where, "must be {\"id\": ..., \"type\": \"function\", \"function\": "
+                                         "{\"name\": STRING, \"arguments\": JSON TEXT}}")
+    args = _loads(f["arguments"]) if f["arguments"].strip() else {}
+    if not isinstance(args, dict):
+        raise InvalidRequestError(f"{where}.function.arguments", "must be a JSON object's text")
+    return {"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A completion read back: its reasoning (None: not a reasoning request), content and tool calls."""
+    reasoning: str | None
+    content: str
+    calls: list
+
+
+def read_answer(req, text: str) -> Answer:
+    """A whole completion of an EngineRequest read back through its Reasoning and ToolParsing."""
+    reasoning = None
+    if req.reasoning is not None:
+        reasoning, text = req.reasoning.split(text)
+    if req.tool_parsing is None:
+        return Answer(reasoning, text, [])
+    scan = req.tool_parsing.scan(text)
+    return Answer(reasoning, scan.content, scan.calls)
+
+
+class AnswerStream:
+    """A streamed completion read back as it grows: feed(delta, final) -> an Answer of what is new;
+    the parts fed, joined, are read_answer's."""
+
+    def __init__(self, req):
+        from pagoda.engine.reasoning import ReasoningStream
+
+        self.reasoning = req.reasoning and ReasoningStream(req.reasoning)
+        self.tools = req.tool_parsing and req.tool_parsing.stream()
+
+    @property
+    def num_calls(self) -> int:
+        return self.tools.num_calls if self.tools else 0
+
+    def feed(self, delta: str, final: bool = False) -> Answer:
+        reasoning = None
+        if self.reasoning:
+            reasoning, delta = self.reasoning.feed(delta, final)
+        if not self.tools:
+            return Answer(reasoning, delta, [])
+        content, calls = self.tools.feed(delta, final)
+        return Answer(reasoning, content, calls)

@@ -1,0 +1,141 @@
+"""engine/reasoning.py: a reasoning model's <think>...</think> read apart from the answer (whole and
+streamed alike, the tag opened in the answer or by the template), chat_template_kwargs' allow-list,
+and over HTTP (a Qwen3-style template): reasoning_content, and tool calls constrained only after
+</think>."""
+import json
+
+import llguidance
+import llguidance.hf
+import openai
+import pytest
+
+from grpc_fixtures import InProcessServer, engine_config, openai_client
+from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.reasoning import Reasoning, ReasoningStream, check_template_kwargs, reasoning_for
+from pagoda.engine.tools import check_tools, FORMATS, token_spelling
+from pagoda.server.options import ServerOptions
+from tool_templates import build_tool_checkpoint, build_tool_tokenizer
+
+TEXTS = ["<think>\nLet me see: 東京.\n</think>\n\nIt is 12°C.", "<think>\ncut short", "Just an answer.", "",
+         "<think></think>Answer"]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}}}]
+MESSAGES = [{"role": "user", "content": "Warum? 为什么"}]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("opened", [False, True])
+def test_split_and_its_stream_agree(text, opened):
+    r = Reasoning(opened)
+    text = text.removeprefix("<think>") if opened else text
+    whole = r.split(text)
+    for step in (1, 4):
+        s, got = ReasoningStream(r), ["", ""]
+        pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
+        for i, p in enumerate(pieces):
+            a, b = s.feed(p, final=i == len(pieces) - 1)
+            got = [got[0] + a, got[1] + b]
+        assert tuple(got) == whole
+
+
+def test_split_reads_the_reasoning_apart():
+    assert Reasoning().split(TEXTS[0]) == ("Let me see: 東京.\n", "It is 12°C.")
+    assert Reasoning().split(TEXTS[1]) == ("cut short", "")
+    assert Reasoning().split(TEXTS[2]) == ("", TEXTS[2])
+    assert Reasoning(opened=True).split("thinking</think>\n\nanswer") == ("thinking", "answer")
+
+
+def test_detected_from_the_template_and_opened_by_the_prompt():
+    tok = build_tool_tokenizer("qwen3")
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert reasoning_for(tok, list(ids)) == Reasoning(opened=False)
+    assert reasoning_for(tok, list(ids) + [tok.convert_tokens_to_ids("<think>")]) == Reasoning(opened=True)
+    assert reasoning_for(build_tool_tokenizer("qwen"), list(ids)) is None
+    assert reasoning_for(build_tool_tokenizer("qwen"), list(ids), "qwen3") == Reasoning(opened=False)
+
+
+def test_template_kwargs_are_allow_listed():
+    assert check_template_kwargs({"enable_thinking": False}) == {"enable_thinking": False}
+    for bad, field in [({"tools": []}, "chat_template_kwargs.tools"), ({"enable_thinking": "no"},
+                       "chat_template_kwargs.enable_thinking"), ([], "chat_template_kwargs")]:
+        with pytest.raises(InvalidRequestError) as e:
+            check_template_kwargs(bad)
+        assert e.value.field == field
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen"])
+def test_calls_are_constrained_only_after_the_reasoning(family):
+    """With the tags as tokens (Qwen3) and as plain text (a template whose tokenizer lacks them)."""
+    tok = build_tool_tokenizer(family)
+    token = token_spelling(tok)
+    grammar = Reasoning().wrap(check_tools(TOOLS, "required").grammar(FORMATS["hermes"], token), token)
+    ltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=[tok.eos_token_id])
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>'
+
+    def accepts(text):
+        m = llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+    assert accepts(call) and accepts("<think>\nfree {text\n</think>\n\n" + call)
+    assert not accepts("<think>\nfree text\n</think>\n\nno call") and not accepts("free text " + call)
+    assert not accepts("<think>x</think>\n\n" + call.replace('"x": 2', '"x": 3'))
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    path = build_tool_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "qwen3")
+    s = InProcessServer.for_config(engine_config(path, num_kv_blocks=128),
+                                   ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
+    yield s
+    s.stop()
+
+
+def test_http_reasoning_then_a_call(srv):
+    oai = openai_client(srv)
+    tok = srv.engine.tokenizer
+    bias = {str(tok.convert_tokens_to_ids("<think>")): 100, str(tok.convert_tokens_to_ids("</think>")): 100}
+    kw = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=60, logit_bias=bias,
+              temperature=0.7, seed=3, parallel_tool_calls=False)
+    whole = oai.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and json.loads(whole.message.tool_calls[0].function.arguments)["x"] in (1, 2)
+    assert whole.message.model_extra.get("reasoning_content") is None  # opened and closed at once (the bias)
+    assert whole.message.content is None
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    args = "".join(d.function.arguments or "" for c in chunks for ch in c.choices for d in ch.delta.tool_calls or [])
+    assert args == whole.message.tool_calls[0].function.arguments
+
+
+def test_http_reasoning_content_and_template_kwargs(srv):
+    oai = openai_client(srv)
+    tok = srv.engine.tokenizer
+    # a reasoning that never ends (the bias keeps the answer in it): all of it is reasoning_content
+    bias = {str(tok.convert_tokens_to_ids("<think>")): 100}
+    r = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, logit_bias=bias, temperature=0)
+    m = r.choices[0].message
+    assert m.content == "" and m.model_extra["reasoning_content"] == "<think>" * 4
+    streamed = list(oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, logit_bias=bias,
+                                                temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in streamed) == "<think>" * 4
+    on = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1).usage.prompt_tokens
+    off = oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage
+    assert off.prompt_tokens > on  # the empty <think></think> block the template adds
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="m", messages=MESSAGES, max_tokens=1,
+                                    extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert e.value.body["param"] == "chat_template_kwargs.add_generation_prompt"
+
+
+def test_grpc_reasoning_content(srv):
+    from pagoda.client.client import Client
+    from pagoda.v1 import generation_pb2 as pb
+
+    tok = srv.engine.tokenizer
+    req = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES]))
+    req.stopping.max_tokens, req.sampling.temperature = 5, 0
+    req.sampling.logit_bias[tok.convert_tokens_to_ids("<think>")] = 100
+    with Client(srv.target, timeout=60) as c:
+        whole = c.stub.Generate(req, timeout=60)
+        assert whole.reasoning_content == "<think>" * 4 and whole.text == ""
+        stream = pb.GenerateStreamRequest.FromString(req.SerializeToString())
+        assert "".join(m.reasoning_content for m in c.stub.GenerateStream(stream, timeout=60)) == "<think>" * 4

@@ -1,0 +1,130 @@
+"""engine/tools.py: each format's grammar takes its own calls (fixed separators, no free whitespace)
+and refuses anything else; scanning returns only calls that parse and name a tool (a call cut short
+is content), and scanning a stream piece by piece gives what scanning the whole does; tools,
+tool_choice and parallel_tool_calls are checked by field; formats are detected from the template."""
+import json
+
+import llguidance
+import llguidance.hf
+import pytest
+
+from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.tools import FORMATS, ToolStream, check_tools, detect, token_spelling, tool_format
+from tool_templates import FAMILIES, build_tool_tokenizer
+
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "tags": {"type": "array", "items": {
+    "enum": ["a", "b"]}}, "where": {"$ref": "#/$defs/P"}}, "required": ["city"], "additionalProperties": False,
+    "$defs": {"P": {"type": "object", "properties": {"lat": {"type": "number"}}, "additionalProperties": False}}}
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": PARAMS}},
+         {"type": "function", "function": {"name": "g"}}]
+NAMES = {"f", "g"}
+FAMILY = {"hermes": "qwen", "llama3_json": "llama", "mistral": "mistral"}
+# each format's own writing of: text "Zürich ", then f(city="東京", where={lat: 1.5}), then g()
+F_ARGS = '{"city": "東京", "where": {"lat": 1.5}}'
+CALLS = {
+    "hermes": 'Zürich <tool_call>\n{"name": "f", "arguments": ' + F_ARGS + '}\n</tool_call>\n'
+              '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+    "llama3_json": '{"name": "f", "parameters": ' + F_ARGS + '}; {"name": "g", "parameters": {}}',
+    "mistral": 'Zürich [TOOL_CALLS][{"name": "f", "arguments": ' + F_ARGS + '}, {"name": "g", "arguments": {}}]',
+}
+
+
+def matcher(tok, grammar: str):
+    ltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=[tok.eos_token_id])
+    return llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+
+
+def accepts(tok, grammar: str, text: str) -> bool:
+    m = matcher(tok, grammar)
+    return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_grammar_takes_the_formats_calls_and_nothing_else(name):
+    fmt, tok = FORMATS[name], build_tool_tokenizer(FAMILY[name])
+    token = token_spelling(tok)
+    calls_only = CALLS[name].removeprefix("Zürich ")
+    auto = check_tools(TOOLS, "auto").grammar(fmt, token)
+    required = check_tools(TOOLS, "required").grammar(fmt, token)
+    single = check_tools(TOOLS, "required", parallel_tool_calls=False).grammar(fmt, token)
+    named = check_tools(TOOLS, {"type": "function", "function": {"name": "g"}}).grammar(fmt, token)
+    assert accepts(tok, required, calls_only) and accepts(tok, auto, CALLS[name])
+    assert accepts(tok, auto, "Just text, no call: 東京") and accepts(tok, auto, "")
+    end = {"hermes": "</tool_call>", "llama3_json": "; ", "mistral": ", {"}[name]
+    first = calls_only[:calls_only.index(end) + (len(end) if name == "hermes" else 0)] + "]" * (name == "mistral")
+    assert not accepts(tok, single, calls_only) and accepts(tok, single, first)
+    assert not accepts(tok, named, first)  # only g may be called
+    assert not accepts(tok, required, "Zürich")  # required: no text
+    assert not accepts(tok, required, calls_only.replace('": ', '":', 1))  # fixed separators
+    assert not accepts(tok, required, calls_only.replace('"city": "東京"', '"city": 1'))  # the schema
+    assert not accepts(tok, required, calls_only.replace('{"lat": 1.5}', '{"lat": 1.5, "x": 1}'))  # $defs kept
+    assert not accepts(tok, required, calls_only.replace(", ", ",  ", 1))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_scan_returns_whole_valid_calls_and_the_rest_as_content(name):
+    fmt, text = FORMATS[name], CALLS[name]
+    scan = fmt.scan(text, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in scan.calls] == [
+        ("f", {"city": "東京", "where": {"lat": 1.5}}), ("g", {})]
+    assert scan.content == ("" if name == "llama3_json" else "Zürich ")
+    assert all(c.id.startswith("call_") for c in scan.calls)
+    cut = text[:-5]  # the second call cut short (max_tokens): the first call, the rest is content
+    scan = fmt.scan(cut, NAMES)
+    assert [c.name for c in scan.calls] == ["f"] and scan.content.endswith(cut[-8:])
+    assert fmt.scan(text, {"g"}).calls == []  # a call of an unknown function: all content
+    assert fmt.scan(text, {"g"}).content == text
+    assert fmt.scan("plain text", NAMES).content == "plain text"
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("cut", [None, -1, -5, -30])
+def test_streamed_scan_equals_the_whole(name, cut):
+    fmt, text = FORMATS[name], CALLS[name][:cut]
+    whole = fmt.scan(text, NAMES)
+    for step in (1, 3, 7):
+        stream, content, calls = ToolStream(fmt, NAMES), "", []
+        pieces = [text[i:i + step] for i in range(0, len(text), step)]
+        for i, piece in enumerate(pieces):
+            c, new = stream.feed(piece, final=i == len(pieces) - 1)
+            content, calls = content + c, calls + new
+        assert content == whole.content
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
+
+
+def test_content_before_a_call_streams_at_once():
+    stream = ToolStream(FORMATS["hermes"], NAMES)
+    assert stream.feed("Hello <tool") == ("Hello ", [])  # "<tool" may begin the trigger: held
+    assert stream.feed("_call>\n{") == ("", [])
+
+
+@pytest.mark.parametrize("tools, choice, parallel, field", [
+    ("f", None, None, "tools"),
+    ([{"type": "retrieval"}], None, None, "tools[0]"),
+    ([{"type": "function", "function": {"name": ""}}], None, None, "tools[0].function.name"),
+    ([TOOLS[0], TOOLS[0]], None, None, "tools[1].function.name"),
+    ([{"type": "function", "function": {"name": "h", "parameters": {"type": "array"}}}], None, None,
+     "tools[0].function.parameters"),
+    (TOOLS, "maybe", None, "tool_choice"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "tool_choice.function.name"),
+    (TOOLS, {"type": "function"}, None, "tool_choice"),
+    (None, "required", None, "tool_choice"),
+    (TOOLS, "auto", "yes", "parallel_tool_calls"),
+    ([{"type": "function", "function": {"name": "h", "description": "\ud800"}}], None, None, "tools"),
+])
+def test_bad_tools_name_the_field(tools, choice, parallel, field):
+    with pytest.raises(InvalidRequestError) as e:
+        check_tools(tools, choice, parallel)
+    assert e.value.field == field
+
+
+def test_formats_are_detected_from_the_template():
+    assert {family: detect(FAMILIES[family][0]).name for family in FAMILIES} == {
+        "qwen": "hermes", "qwen3": "hermes", "llama": "llama3_json", "mistral": "mistral"}
+    assert detect("{{ messages }}") is None and detect(None) is None
+    tok = build_tool_tokenizer("qwen")
+    assert tool_format(tok).name == "hermes" and tool_format(tok, "mistral").name == "mistral"
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(InvalidRequestError) as e:
+        tool_format(tok)
+    assert e.value.field == "tools"
