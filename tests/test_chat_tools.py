@@ -54,7 +54,9 @@ def family(request):
 @pytest.fixture(scope="module")
 def srv(family, tmp_path_factory):
     path = build_tool_checkpoint(str(tmp_path_factory.mktemp(family)), family)
-    s = InProcessServer.for_config(engine_config(path, num_kv_blocks=256, max_num_seqs=8),
+    # room for the whole batch: the Llama-style template renders the tools into ~3,500 prompt tokens, and
+    # with less the mixed batch would thrash on preemptions (tested apart, below)
+    s = InProcessServer.for_config(engine_config(path, num_kv_blocks=1024, max_num_seqs=8),
                                    ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
     yield s
     s.stop()

@@ -121,9 +121,10 @@ def test_sendable_end(length, num_sent, stop, end):
     (FinishReason.STOP_STRING, "stop", pb.FINISH_REASON_STOP_STRING),
     (FinishReason.GRAMMAR, "stop", pb.FINISH_REASON_GRAMMAR), (FinishReason.LENGTH, "length", pb.FINISH_REASON_LENGTH),
     (FinishReason.ABORT, "abort", pb.FINISH_REASON_ABORTED),
-    (FinishReason.ERROR, "error", pb.FINISH_REASON_UNSPECIFIED)])
+    (FinishReason.ERROR, "error", pb.FINISH_REASON_UNSPECIFIED),
+    (FinishReason.TIME_LIMIT, "time_limit", pb.FINISH_REASON_TIME_LIMIT)])
 def test_every_finish_reason_has_one_name_per_door(reason, openai, grpc):
-    assert set(FINISH_REASONS) == {r.value for r in FinishReason}
+    assert set(FINISH_REASONS) == {r.value for r in FinishReason} | {"tool_calls"}  # tool_calls: a door's
     seq = sequence()
     finish(seq, reason)
     [out] = step_outputs([seq])
