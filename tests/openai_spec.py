@@ -43,7 +43,8 @@ CHUNK_ALLOWANCES = {"completion": "choices.items.finish_reason: null"}
 ECHO_ALLOWANCE = "CreateCompletionResponse choices.items.logprobs: token_logprobs and top_logprobs items may be null"
 # A request with pagoda's time_limit_ms extra field that runs out of time ends with finish_reason
 # "time_limit" (never "length": a client must be able to tell them apart); the specification's enums
-# lack it, so it is added to the finish_reason enums of the completion and chat responses and chunks.
+# lack it, so it is added to the finish_reason enums of the completion and chat responses and chunks, and
+# to a Response's incomplete_details.reason (its status is then "incomplete").
 TIME_LIMIT_ALLOWANCE = "finish_reason may also be \"time_limit\" (pagoda's time_limit_ms)"
 TIME_LIMIT_SCHEMAS = ("CreateCompletionResponse", "CreateChatCompletionResponse", "CreateChatCompletionStreamResponse")
 TESTS_URI = "urn:pagoda-tests"
@@ -66,6 +67,7 @@ def spec() -> dict:
     _allow_echoed_first_token(out["components"]["schemas"]["CreateCompletionResponse"])
     for name in TIME_LIMIT_SCHEMAS:
         _allow_time_limit(out["components"]["schemas"][name])
+    _allow_incomplete_time_limit(out["components"]["schemas"]["Response"])
     return out
 
 
@@ -74,6 +76,14 @@ def _allow_time_limit(schema: dict) -> None:
     reason = schema["properties"]["choices"]["items"]["properties"]["finish_reason"]
     string = next(s for s in reason.get("anyOf", [reason]) if s.get("type") == "string")
     string["enum"] = [*string["enum"], "time_limit"]
+
+
+def _allow_incomplete_time_limit(schema: dict) -> None:
+    """TIME_LIMIT_ALLOWANCE for the Responses API, in place: "time_limit" joins incomplete_details.reason."""
+    details = next(part["properties"]["incomplete_details"] for part in schema["allOf"]
+                   if "incomplete_details" in part.get("properties", {}))
+    reason = next(s for s in details["anyOf"] if s.get("type") == "object")["properties"]["reason"]
+    reason["enum"] = [*reason["enum"], "time_limit"]
 
 
 def _allow_echoed_first_token(schema: dict) -> None:

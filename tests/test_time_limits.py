@@ -166,6 +166,24 @@ def test_http_time_limit_completions_and_chat(srv, reference):
         wait_all_blocks_free(c)
 
 
+def test_responses_time_limit_is_an_incomplete_response(srv):
+    """The Responses API: status "incomplete", reason "time_limit" (never max_output_tokens), whole and streamed."""
+    oai = openai_client(srv)
+    no_eos = {str(i): -100 for i in srv.engine.model_info.eos_token_ids}
+    extra = {"time_limit_ms": LIMIT_MS, "logit_bias": no_eos, "seed": 0}
+    with slow_steps(srv.engine, 0.02):
+        whole = oai.responses.create(model=srv.engine.model_info.model_id, input="Hi", max_output_tokens=LONG,
+                                     temperature=0, extra_body=extra)
+        events = list(oai.responses.create(model=srv.engine.model_info.model_id, input="Hi",
+                                           max_output_tokens=LONG, temperature=0, stream=True, extra_body=extra))
+    assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "time_limit")
+    assert 0 < whole.usage.output_tokens < LONG
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "time_limit"
+    with Client(srv.target) as c:
+        wait_all_blocks_free(c)
+
+
 def test_bad_time_limit_on_both_doors(srv):
     with Client(srv.target) as c:
         with pytest.raises(grpc.RpcError) as e:

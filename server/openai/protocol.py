@@ -278,3 +278,4 @@ class ResponsesRequest(_Fields):
     seed: Int | None = None
     logit_bias: dict[str, float] | None = None
     chat_template_kwargs: dict | None = None
+    time_limit_ms: Int | None = None  # pagoda's, as in chat: status "incomplete", reason "time_limit"

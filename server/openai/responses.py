@@ -22,6 +22,9 @@ from pagoda.server.openai.serving import Call
 # fields taken only at a value that changes nothing (besides null)
 _ONLY = {"include": ([],), "truncation": ("disabled",), "reasoning": ({},), "background": (False,),
          "max_tool_calls": (), "top_logprobs": (0,), "conversation": ()}
+# finish reasons that leave a response incomplete, and why (time_limit: pagoda's time_limit_ms, not in
+# OpenAI's enum; tests/openai_spec.py allows it)
+_INCOMPLETE = {"length": "max_output_tokens", "time_limit": "time_limit"}
 _ROLES = {"user", "system", "developer", "assistant"}
 
 
@@ -75,7 +78,7 @@ def to_chat(body: ResponsesRequest) -> ChatRequest:
             tool_choice=_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls,
             max_completion_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
             stream=body.stream, seed=body.seed, logit_bias=body.logit_bias, response_format=response_format,
-            chat_template_kwargs=body.chat_template_kwargs)
+            chat_template_kwargs=body.chat_template_kwargs, time_limit_ms=body.time_limit_ms)
     except InvalidRequestError:
         raise
     except ValueError as e:  # a part of an item the chat request's types refuse
@@ -161,11 +164,11 @@ def _usage(outs) -> dict:
 
 
 def _response(body: ResponsesRequest, call: Call, status: str, output: list, out=None) -> dict:
-    incomplete = out is not None and out.finish_reason == "length"
+    incomplete = _INCOMPLETE.get(out.finish_reason) if out is not None else None
     return {
         "id": call.id, "object": "response", "created_at": call.created, "model": call.model,
         "status": "incomplete" if incomplete else status, "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "incomplete_details": {"reason": incomplete} if incomplete else None,
         "instructions": body.instructions, "output": output, "tools": body.tools or [],
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False, "metadata": body.metadata or {},
