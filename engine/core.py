@@ -20,6 +20,7 @@ from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLo
 from pagoda.engine.core_io import EngineRequest
 from pagoda.engine.scheduler import Scheduler, SchedulerOutput
 from pagoda.engine.sequence import FinishReason, Sequence
+from pagoda.engine.speculative import Speculator
 from pagoda.engine.structured import StructuredOutputManager
 from pagoda.engine.workers import Workers
 
@@ -145,6 +146,8 @@ class EngineCore:
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.structured)
+        spec = c.speculative_config
+        self.speculator = Speculator(spec, c.max_model_len) if spec is not None else None
 
     # ---- requests ----
 
@@ -199,17 +202,27 @@ class EngineCore:
         return self.execute(sched, failed)
 
     def schedule(self) -> tuple[SchedulerOutput, list[Sequence]]:
-        """The step's first phase: sequences whose grammar is built join the queue, the scheduler picks
-        the batch. Then num_waiting is the step's (the transport reports it before the model runs).
-        Returns the batch, and the sequences whose grammar failed (finished)."""
+        """The step's first phases: sequences whose grammar is built join the queue, the scheduler picks
+        the batch, the speculator proposes tokens for it. Then num_waiting is the step's (the transport
+        reports it before the model runs). Returns the batch, and the sequences whose grammar failed
+        (finished)."""
         failed = self._admit_compiled()
-        return self.scheduler.schedule(), failed
+        sched = self.scheduler.schedule()
+        self._propose(sched)
+        return sched, failed
 
     def execute(self, sched: SchedulerOutput, failed: list[Sequence]) -> list[RequestOutput]:
-        """The rest of the step: run -> update from output -> report."""
+        """The rest of the step: run (proposals verified and accepted in it) -> update from output ->
+        report."""
         result = self._run(sched, idle=not failed)
         changed = self._update_from_output(sched, result)
         return self._report(failed + changed)
+
+    def _propose(self, sched: SchedulerOutput) -> None:
+        """Speculative decoding: proposed tokens join the decoding sequences' queries."""
+        proposals = self.speculator.propose(sched) if self.speculator is not None else None
+        if proposals is not None:
+            self.scheduler.add_proposals(sched, proposals)
 
     def _admit_compiled(self) -> list[Sequence]:
         """Sequences whose grammar is built join the scheduler; those whose grammar failed finish."""
@@ -245,11 +258,15 @@ class EngineCore:
             return [s for s in sched.seqs if s.is_finished]  # a failed run
         for seq, lps in result.prompt_logprobs:
             seq.prompt_logprobs += lps
-        if result.logprobs is not None:
-            for seq, tokens, lp in zip(sched.sampling_seqs, result.tokens, result.logprobs):
-                if lp is not None:
-                    seq.logprobs.append(TokenLogprob(tokens[0], lp[0], lp[1]))
-        return self.scheduler.update_from_output(sched, result.tokens)
+        if self.speculator is not None:
+            self.speculator.observe(sched, result.tokens)
+        before = [s.num_tokens for s in sched.sampling_seqs]
+        changed = self.scheduler.update_from_output(sched, result.tokens)
+        if result.logprobs is not None:  # of the tokens appended (a stop drops the rest)
+            for seq, n, tokens, lps in zip(sched.sampling_seqs, before, result.tokens, result.logprobs):
+                if lps is not None:
+                    seq.logprobs += [TokenLogprob(t, *lp) for t, lp in zip(tokens[:seq.num_tokens - n], lps)]
+        return changed
 
     def _report(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """The outputs of the sequences the step changed; finished requests are forgotten."""
