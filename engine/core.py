@@ -297,18 +297,20 @@ class EngineCore:
     # ---- reporting ----
 
     def stats(self) -> EngineStats:
-        b, s = self.block_manager.stats(), self.scheduler
+        b, s, spec = self.block_manager.stats(), self.scheduler, self.speculator
         return EngineStats(len(s.running), self.num_waiting, b.num_total_blocks, b.num_free_blocks,
                            b.num_used_blocks, b.num_wasted_slots, s.num_prompt_tokens_processed,
                            s.num_generated_tokens, s.num_preemptions, time.monotonic() - self.started,
                            b.num_cached_blocks, s.num_prompt_tokens_cached,
-                           s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0)
+                           s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0,
+                           *((spec.num_proposed, spec.num_accepted, spec.mean_accepted_length) if spec else ()))
 
     def model_info(self) -> ModelInfo:
         c = self.config
         return ModelInfo(self.model_name, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
-                         c.max_num_batched_tokens, c.max_queue_len, c.quantization or "")
+                         c.max_num_batched_tokens, c.max_queue_len, c.quantization or "",
+                         c.speculative_config.to_json() if c.speculative_config else "")
 
 
 def _log_phase(phase: str, t0: float, what: str) -> None:

@@ -187,12 +187,12 @@ class ModelRunner:
         num_rows = np.array([k for k in sched.num_sampled if k], dtype=np.int64)
         proposals = self._to_device(proposal_rows(sched), torch.int64)  # [rows]
         if plain:
-            tokens = self.sampler.argmax(logits.float())
-            accepted, lp = tokens == proposals, None
-        else:
+            tokens, lp = self.sampler.argmax(logits.float()), None
+        else:  # every row sampled as if it were the sequence's next position
             row_seqs = [s for s, k in zip(sched.seqs, sched.num_sampled) for _ in range(k)]
-            tokens, accepted, lp = self.sampler.verify(logits, self._sampling_tensors(row_seqs), proposals)
-        lists = accepted_tokens(tokens, accepted, num_rows)
+            offsets = [j for k in sched.num_sampled for j in range(k)]
+            tokens, lp = self.sampler(logits, self._sampling_tensors(row_seqs, offsets))
+        lists = accepted_tokens(tokens, tokens == proposals, num_rows)
         lps = None
         if lp is not None:  # per sequence, a (logprob, top) pair per row; rows past its tokens unused
             flat = _logprob_lists(lp, tokens, row_seqs)
@@ -264,7 +264,7 @@ class ModelRunner:
     def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+    def _sampling_tensors(self, seqs: list[Sequence], offsets: list[int] | None = None) -> SamplingTensors:
         params = [s.params for s in seqs]
         dev = self.device
 
@@ -282,12 +282,26 @@ class ModelRunner:
             min_p=col(min_p, torch.float32) if any(m > 0 for m in min_p) else None,
             is_greedy=col(is_greedy, torch.bool),
             all_greedy=all(is_greedy),
-            generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
+            generators=self._generators(seqs, offsets),
             logit_adds=self._logit_adds(seqs),
             allowed=self._grammar_masks(seqs),
             penalties=self._penalties(seqs),
             num_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=-1),
         )
+
+    def _generators(self, seqs: list[Sequence], offsets: list[int] | None) -> list[tuple[int, torch.Generator]]:
+        """The seeded rows' generators, each seeded from (seed, completion index, position of the token
+        it samples): a seeded completion's draws then depend on nothing else, whatever the batch and
+        whether speculation verified several positions of it this step (offsets: a row's position
+        past the sequence's next token; its rows past the first get generators of their own)."""
+        out = []
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                offset = offsets[i] if offsets else 0
+                gen = s.generator if offset == 0 else torch.Generator(device=self.device)
+                gen.manual_seed(hash((s.params.seed, s.index, s.num_tokens + offset)) & (2**63 - 1))
+                out.append((i, gen))
+        return out
 
     def _logit_adds(self, seqs: list[Sequence]):
         """What is added to single logits, as (rows, token ids, values): logit_bias (-100 and below ban,

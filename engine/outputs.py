@@ -95,6 +95,9 @@ class EngineStats:
     num_cached_blocks: int = 0  # free blocks still holding a reusable prefix
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     prefix_cache_hit_rate: float = 0.0  # of all prompt tokens admitted
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_mean_accepted_length: float = 0.0  # tokens a sequence gains per verifying step (accepted + 1); 0: none
 
 
 @dataclass(frozen=True)
@@ -111,3 +114,4 @@ class ModelInfo:
     max_num_batched_tokens: int
     max_queue_len: int
     quantization: str = ""  # "" (none) or "int8" (weight-only)
+    speculative_config: str = ""  # speculative decoding's config as JSON; "" when off

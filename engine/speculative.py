@@ -3,13 +3,20 @@ verifies them all in one forward (each sequence's last token plus its proposals,
 query over its cached blocks); the acceptance rule keeps the output exactly the target's.
 
     schedule -> propose (Speculator.propose, Scheduler.add_proposals) -> run (the model scores every
-    query position; Sampler.verify accepts) -> accepted_tokens -> Scheduler.update_from_output (appends
-    only accepted tokens; rolls back the rejected ones' slots) -> Speculator.observe (metrics, switch-off)
+    query position, the sampler draws a token at each) -> accept (accepted_tokens) ->
+    Scheduler.update_from_output (appends only accepted tokens; rolls back the rejected ones' slots)
+    -> Speculator.observe (metrics, switch-off)
 
-Acceptance (Leviathan et al. 2023, Chen et al. 2023) for a point-mass proposal x (n-gram lookup):
-accept x with probability p(x); on rejection sample from p with x removed, renormalised; when
-every proposal is accepted, the last query position gives one more token from p. Greedy rows are
-the same rule with p one-hot at the argmax: the longest prefix equal to the argmax, plus the next.
+Acceptance. The rejection sampling of Leviathan et al. 2023 / Chen et al. 2023 for a point-mass
+proposal x (n-gram lookup proposes one token, with probability 1) accepts x with probability p(x)
+and on rejection samples from p with x removed, renormalised. Drawing t ~ p at the position and
+accepting iff t == x realises exactly that law (P(t == x) = p(x); given t != x, t is distributed
+as p without x), and the first rejected position's token is t itself. So every query row is sampled
+as usual (greedy rows: the argmax) and a sequence keeps its proposals up to the first that differs
+from the row's token, plus that token (or, all accepted, the last row's). With the draws of a
+seeded row keyed by its position (ModelRunner._generators), a seeded request gives the same text
+with speculation as without, whatever the batch. (A draft model's proposals, not point masses,
+would need the general rule: accept with min(1, p(x) / q(x)), else draw from max(0, p - q).)
 """
 from dataclasses import dataclass
 
@@ -131,9 +138,9 @@ def proposal_rows(sched) -> np.ndarray | None:
 
 def accepted_tokens(tokens: torch.Tensor, accepted: torch.Tensor, num_rows: np.ndarray) -> list[list[int]]:
     """Per sampling sequence, its new tokens: the accepted prefix of its proposals, then the token of
-    the first row not accepted. tokens, accepted: [num_rows_total], each row's token (the proposal
-    where accepted, else the target's choice) and whether its proposal was accepted; num_rows: rows
-    per sequence. The step's one host-device sync."""
+    the first row not accepted. tokens, accepted: [num_rows_total], each row's token (the target's
+    choice there) and whether it equals the row's proposal; num_rows: rows per sequence. The step's
+    one host-device sync."""
     width = int(num_rows.max())
     first = np.cumsum(num_rows) - num_rows
     cols = np.arange(width)

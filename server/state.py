@@ -64,7 +64,8 @@ def stats_dict(s) -> dict:
             "prompt_tokens_processed": s.num_prompt_tokens_processed, "generated_tokens": s.num_generated_tokens,
             "num_preemptions": s.num_preemptions, "uptime_seconds": s.uptime_s,
             "kv_blocks_cached": s.num_cached_blocks, "cached_prompt_tokens": s.num_cached_prompt_tokens,
-            "prefix_cache_hit_rate": s.prefix_cache_hit_rate}
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "spec_proposed_tokens": s.spec_proposed_tokens,
+            "spec_accepted_tokens": s.spec_accepted_tokens, "spec_mean_accepted_length": s.spec_mean_accepted_length}
 
 
 class ServerState:
