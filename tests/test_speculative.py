@@ -324,3 +324,61 @@ def test_doors_report_the_config_and_the_counts():
             wait_all_blocks_free(c)
     finally:
         srv.stop()
+
+
+# ---- switch-off rules ----
+
+def _decode_step(seqs):
+    from pagoda.engine.scheduler import SchedulerOutput
+
+    for s in seqs:
+        s.num_computed_tokens = s.num_tokens - 1
+    return SchedulerOutput(list(seqs), [1] * len(seqs), [1] * len(seqs))
+
+
+def _seqs(n):
+    from pagoda.engine.sequence import Sequence
+
+    params = SamplingParams(temperature=0, max_tokens=100)
+    return [Sequence(str(i), [1, 2, 3, 1, 2, 3, 1, 2], params) for i in range(n)]
+
+
+def test_no_speculation_in_a_step_with_more_sequences_than_disable_by_batch_size():
+    from pagoda.engine.speculative import Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=3), max_model_len=512)
+    assert spec.propose(_decode_step(_seqs(3))) == [[3, 1]] * 3
+    assert spec.propose(_decode_step(_seqs(4))) is None
+
+
+def test_a_sequence_with_poor_recent_acceptance_pauses():
+    from pagoda.engine.speculative import PAUSE_STEPS, Speculator
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=2, min_acceptance_rate=0.3), max_model_len=512)
+    seqs = _seqs(2)
+    for step in range(2):  # seq 0 gets nothing accepted, seq 1 everything
+        sched = _decode_step(seqs)
+        sched.spec_tokens = spec.propose(sched)
+        assert sched.spec_tokens == [[3, 1], [3, 1]]
+        spec.observe(sched, [[7], [3, 1, 2]])
+    assert spec.propose(_decode_step(seqs)) == [[], [3, 1]]  # 1 -> 0.5 -> 0.25: below 0.3
+    for _ in range(PAUSE_STEPS - 1):
+        spec.propose(_decode_step(seqs))
+    assert spec.propose(_decode_step(seqs)) == [[3, 1], [3, 1]]  # tried again
+    assert (spec.num_proposed, spec.num_accepted, spec.num_verifications) == (8, 4, 4)
+    assert spec.mean_accepted_length == 2.0
+
+
+def test_structured_requests_do_not_speculate_beside_those_that_do(checkpoint):
+    from pagoda.engine.structured import StructuredOutputs
+
+    path, prompts = checkpoint("llama"), _prompts(256)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [
+        SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(regex="[a-z]{3,20}"))]
+    prompts = prompts[:4]
+    plain = LLM(path, num_kv_blocks=128).generate(prompts, params)
+    expected = [o.token_ids for o in plain]
+    llm, outs = _generate(path, prompts, params, proposer=KnowingProposer(prompts, expected), num_kv_blocks=128)
+    assert [o.token_ids for o in outs] == expected
+    assert outs[3].text.isalpha() and outs[3].text.islower()
+    _accepted_and_rejected(llm)
