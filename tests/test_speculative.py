@@ -125,6 +125,25 @@ def test_greedy_ngram_with_prefix_caching_chunked_prefill_and_preemption(checkpo
     _accepted_and_rejected(llm)
 
 
+def test_greedy_with_triton_attention(checkpoint):
+    # the Triton kernels' prefill-over-blocks path verifies the proposals (in Triton's interpreter on CPU)
+    pytest.importorskip("triton")
+    from pagoda.engine.layers import triton_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ok, why = triton_attention.is_available(torch.device(device))
+    if not ok:
+        pytest.skip(why)
+    path, prompts = checkpoint("llama"), _prompts(256)[:2]
+    expected = _reference(path, prompts, max_new=12)
+    llm, outs = _generate(path, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                          proposer=KnowingProposer(prompts, expected), num_kv_blocks=32, attention_backend="triton",
+                          device=device, dtype="float32")
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.runner.attention_backend_name == "triton_attention"
+    _accepted_and_rejected(llm)
+
+
 @pytest.fixture(scope="module", params=["byte-level", "sentencepiece"])
 def text_model(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
