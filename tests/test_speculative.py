@@ -144,6 +144,22 @@ def test_greedy_with_triton_attention(checkpoint):
     _accepted_and_rejected(llm)
 
 
+def test_greedy_with_tensor_parallelism(checkpoint):
+    # two ranks (gloo): the verification's logits rows are the same collective calls on both
+    path, prompts = checkpoint("qwen2"), _prompts(256)[:3]
+    expected = _reference(path, prompts, max_new=16)
+    llm = LLM(path, num_kv_blocks=64, tensor_parallel_size=2, speculative_config=NGRAM)
+    try:
+        llm.engine.speculator.proposer = KnowingProposer(prompts, expected)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        assert [o.token_ids for o in outs] == expected
+        _accepted_and_rejected(llm)
+        stats = llm.engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        llm.engine.close()
+
+
 @pytest.fixture(scope="module", params=["byte-level", "sentencepiece"])
 def text_model(request, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(request.param))
