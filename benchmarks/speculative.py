@@ -27,26 +27,27 @@ SNIPPET_LINES = 24
 
 
 def snippets(tokenizer, count: int, max_tokens: int) -> list[str]:
-    """Pieces of stdlib code (top-level functions, about SNIPPET_LINES lines) from files late in the
-    sorted list (the training corpus is read from the start)."""
+    """Pieces of stdlib code (a top-level function's first SNIPPET_LINES lines, fewer to fit in
+    max_tokens) from files late in the sorted list (the training corpus is read from the start)."""
     root = sysconfig.get_paths()["stdlib"]
     out = []
     for path in sorted(glob.glob(os.path.join(root, "*.py")), reverse=True):
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
-        for i, line in enumerate(lines):
-            if line.startswith("def ") and len(out) < count:
-                text = "\n".join(lines[i:i + SNIPPET_LINES]) + "\n"
-                if len(tokenizer(text)["input_ids"]) <= max_tokens:
-                    out.append(text)
-                    break
+        start = next((i for i, line in enumerate(lines) if line.startswith("def ")), None)
+        if start is None:
+            continue
+        piece = lines[start:start + SNIPPET_LINES]
+        while len(piece) > 1 and len(tokenizer("\n".join(piece) + "\n")["input_ids"]) > max_tokens:
+            piece.pop()
+        out.append("\n".join(piece) + "\n")
         if len(out) == count:
-            return out
+            break
     return out
 
 
-def prompts(tokenizer, workload: str, count: int) -> list[list[int]]:
-    texts = snippets(tokenizer, count, 320)
+def prompts(tokenizer, workload: str, count: int, max_tokens: int) -> list[list[int]]:
+    texts = snippets(tokenizer, count, max_tokens)
     if workload == "edit":
         texts = [f"{t}\n\n# The same function again, with its names unchanged:\n{t.splitlines()[0]}\n" for t in texts]
     return [tokenizer(t)["input_ids"] for t in texts]
@@ -64,26 +65,37 @@ def run(llm, batch: list[list[int]], new_tokens: int) -> tuple[float, list[list[
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--train-steps", type=int, default=600, help="the trained model's steps (its cache key)")
+    p.add_argument("--model", help="an existing checkpoint instead of the trained model (with random weights: "
+                                   "what failed speculation costs, not what it saves)")
+    p.add_argument("--model-config", choices=sorted(common.MODEL_CONFIGS),
+                   help="random weights of this shape (benchmarks/common.py) instead of the trained model")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--workloads", nargs="+", default=["edit", "continue"], choices=["edit", "continue"])
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--snippet-tokens", type=int, default=192, help="most tokens of a code snippet")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--note", default="", help="a sentence on the conditions, for RESULTS.md")
     common.add_results_args(p)
     args = common.finish_args(p.parse_args(argv))
     from pagoda.engine import LLM
 
-    path = trained_model.build(args.train_steps)["target"]
+    if args.model or args.model_config:
+        path = args.model or common.cached_checkpoint(args.model_config)
+        what = f"checkpoint {args.model or args.model_config + ' (random weights)'}"
+    else:
+        path = trained_model.build(args.train_steps)["target"]
+        what = f"trained target ({args.train_steps} steps, benchmarks/trained_model.py)"
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3}
     kw = dict(dtype=args.dtype, device=args.device, enable_prefix_caching=False, num_kv_blocks=4096)
     engines = {"off": LLM(path, **kw), "ngram": LLM(path, speculative_config=spec, **kw)}
     tokenizer = engines["off"].tokenizer
     rows = []
     for workload in args.workloads:
-        pool = prompts(tokenizer, workload, max(args.streams))
+        pool = prompts(tokenizer, workload, max(args.streams), args.snippet_tokens)
         for streams in args.streams:
             batch = (pool * streams)[:streams]
             rates = {name: [] for name in engines}
@@ -111,11 +123,11 @@ def main(argv=None) -> int:
     print(table)
     if not args.no_results:
         common.append_results(
-            args.results, "speculative decoding (n-gram) vs none, trained model",
-            f"Trained target ({args.train_steps} steps, benchmarks/trained_model.py); greedy, {args.new_tokens} new "
+            args.results, "speculative decoding (n-gram) vs none",
+            f"Model: {what}; greedy, {args.new_tokens} new "
             f"tokens per stream, k={args.k}, prompt_lookup_max 3, default switch-off (disable_by_batch_size 8, "
             f"min_acceptance_rate 0.2); medians of {args.repeats} alternating runs; outputs identical with and "
-            f"without. Mean accepted length: tokens per verifying step (accepted + 1).\n\n{table}\n")
+            f"without. Mean accepted length: tokens per verifying step (accepted + 1). {args.note}\n\n{table}\n")
     return 0
 
 
