@@ -304,7 +304,7 @@ def test_bad_speculative_config_refused_naming_the_option(value, message):
     assert "speculative_config" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_speculative_config_as_json_and_on_the_command_line(capsys):
+def test_speculative_config_as_json_on_the_command_line_and_in_the_environment(capsys, monkeypatch):
     from pagoda.client.cli import build_parser
     from pagoda.server.main import engine_config
 
@@ -312,7 +312,10 @@ def test_speculative_config_as_json_and_on_the_command_line(capsys):
     assert EngineConfig(speculative_config=json.dumps(spec)).speculative_config == SpeculativeConfig(**spec)
     args = build_parser().parse_args(["serve", "--speculative-config", json.dumps(spec)])
     assert engine_config(args).speculative_config == SpeculativeConfig(**spec)
+    monkeypatch.delenv("PAGODA_SPECULATIVE_CONFIG", raising=False)
     assert engine_config(build_parser().parse_args(["serve"])).speculative_config is None
+    monkeypatch.setenv("PAGODA_SPECULATIVE_CONFIG", json.dumps(spec))
+    assert engine_config(build_parser().parse_args(["serve"])).speculative_config == SpeculativeConfig(**spec)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--speculative-config", '{"num_speculative_tokens": 0}'])
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -417,3 +420,33 @@ def test_structured_requests_do_not_speculate_beside_those_that_do(checkpoint):
     assert [o.token_ids for o in outs] == expected
     assert outs[3].text.isalpha() and outs[3].text.islower()
     _accepted_and_rejected(llm)
+
+
+def test_rollback_gives_back_rejected_slots_and_caches_only_verified_tokens():
+    from pagoda.engine.block_manager import BlockManager
+    from pagoda.engine.scheduler import Scheduler
+    from pagoda.engine.sequence import FinishReason, Sequence
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    seq = Sequence("r", [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=20))
+    sched.add(seq)
+    out = sched.schedule()
+    sched.update_from_output(out, [[7]])  # the prefill's token: 7 tokens, 6 computed
+    out = sched.schedule()
+    sched.add_proposals(out, [[8, 9, 10, 11]])
+    assert out.num_new_tokens == [5] and out.num_sampled == [5] and len(seq.block_table) == 3  # 11 slots
+    free = bm.num_free_blocks
+    sched.update_from_output(out, [[99]])  # the first proposal rejected: the target's 99 instead
+    assert seq.token_ids == [1, 2, 3, 4, 5, 6, 7, 99] and seq.num_computed_tokens == 7
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == free + 1  # the third block is back
+    assert seq.num_registered_blocks == 1  # block 2 (tokens 5..8) holds an uncomputed token: not cached
+    out = sched.schedule()
+    sched.add_proposals(out, [[8, 9, 10, 11]])
+    sched.update_from_output(out, [[8, 9, 12]])  # two accepted, then the target's 12
+    assert seq.token_ids[8:] == [8, 9, 12] and seq.num_computed_tokens == 10
+    assert len(seq.block_table) == 3 and seq.num_registered_blocks == 2
+    cached = {tuple(b.token_ids) for b in bm.blocks if b.hash is not None}
+    assert cached == {(1, 2, 3, 4), (5, 6, 7, 99)}  # verified tokens only
+    sched.finish(seq, FinishReason.ABORT)
+    assert bm.num_free_blocks == 8
