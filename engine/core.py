@@ -260,12 +260,14 @@ class EngineCore:
             seq.prompt_logprobs += lps
         if self.speculator is not None:
             self.speculator.observe(sched, result.tokens)
-        before = [s.num_tokens for s in sched.sampling_seqs]
+        if result.logprobs is None:
+            return self.scheduler.update_from_output(sched, result.tokens)
+        seqs = sched.sampling_seqs
+        before = [s.num_tokens for s in seqs]
         changed = self.scheduler.update_from_output(sched, result.tokens)
-        if result.logprobs is not None:  # of the tokens appended (a stop drops the rest)
-            for seq, n, tokens, lps in zip(sched.sampling_seqs, before, result.tokens, result.logprobs):
-                if lps is not None:
-                    seq.logprobs += [TokenLogprob(t, *lp) for t, lp in zip(tokens[:seq.num_tokens - n], lps)]
+        for seq, n, tokens, lps in zip(seqs, before, result.tokens, result.logprobs):
+            if lps is not None:  # of the tokens appended (a stop drops the rest)
+                seq.logprobs += [TokenLogprob(t, *lp) for t, lp in zip(tokens[:seq.num_tokens - n], lps)]
         return changed
 
     def _report(self, seqs: list[Sequence]) -> list[RequestOutput]:
