@@ -103,36 +103,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors):
         """logits: [num_seqs, vocab] -> (token ids [num_seqs], logprobs or None)."""
-        logits, logprobs, greedy = self._adjusted(logits, t)
-        if t.all_greedy:
-            return greedy, logprobs
-        sampled = self._race(self._probs(logits, t), t)
-        return torch.where(t.is_greedy, greedy, sampled), logprobs
-
-    def verify(self, logits: torch.Tensor, t: SamplingTensors, proposals: torch.Tensor):
-        """Speculative decoding's acceptance, row by row (engine/speculative.py): logits [rows, vocab] of
-        the positions the proposals [rows] follow (-1: none) -> (each row's token: its proposal where
-        accepted, else a draw from the target with the proposal removed; whether accepted [rows] bool;
-        logprobs). A point-mass proposal x is accepted with probability p(x): the output is distributed
-        exactly as the target's p. Greedy rows: p is one-hot at the argmax."""
-        logits, logprobs, greedy = self._adjusted(logits, t)
-        if t.all_greedy:
-            return greedy, greedy == proposals, logprobs
-        probs = self._probs(logits, t)  # [rows, vocab]
-        probs = torch.where(t.is_greedy[:, None], torch.zeros_like(probs).scatter_(1, greedy[:, None], 1.0), probs)
-        has = proposals >= 0
-        x = proposals.clamp(min=0)[:, None]
-        p_x = probs.gather(1, x)[:, 0]
-        u = torch.empty_like(p_x).uniform_(generator=self.generator)
-        for row, gen in t.generators:
-            u[row].uniform_(generator=gen)
-        accepted = has & (u < p_x)
-        residual = probs.scatter(1, x, torch.where(has, 0.0, p_x)[:, None])  # p without x (unnormalised)
-        return torch.where(accepted, proposals, self._race(residual, t)), accepted, logprobs
-
-    def _adjusted(self, logits: torch.Tensor, t: SamplingTensors):
-        """float32 logits after penalties, biases and grammar masks; the model's own logprobs (or None);
-        the greedy choice."""
         logits = logits.float()
         logprobs = _logprobs(logits, t.num_top_logprobs) if t.num_top_logprobs >= 0 else None
         if t.penalties is not None:
@@ -141,25 +111,21 @@ class Sampler:
             logits.index_put_(t.logit_adds[:2], t.logit_adds[2], accumulate=True)
         if t.allowed is not None:
             apply_allowed(logits, *t.allowed, rescue=t.logit_adds is not None)
-        return logits, logprobs, self.argmax(logits)
-
-    @staticmethod
-    def _probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        """The distribution sampled rows draw from: temperature, top-k, top-p, min-p."""
+        greedy = self.argmax(logits)
+        if t.all_greedy:
+            return greedy, logprobs
         temperature = torch.where(t.is_greedy, 1.0, t.temperature)
         logits = logits / temperature[:, None]
         if t.top_k is not None or t.top_p is not None:
             logits = top_k_top_p_mask(logits, t.top_k, t.top_p)
         if t.min_p is not None:
             logits = min_p_mask(logits, t.min_p)
-        return logits.softmax(dim=-1)
-
-    def _race(self, probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        """A draw from each row of probs (need not sum to 1), seeded rows from their own generators."""
+        probs = logits.softmax(dim=-1)
         race = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in t.generators:
             race[row].exponential_(generator=gen)
-        return self.argmax(probs / race)
+        sampled = self.argmax(probs / race)
+        return torch.where(t.is_greedy, greedy, sampled), logprobs
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
