@@ -141,6 +141,19 @@ class BlockManager:
     def append(self, seq: Sequence, num_tokens: int) -> None:
         self._grow(seq, num_tokens)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Speculative decoding's rollback: give back the tail blocks seq no longer needs for its first
+        num_tokens tokens (those held for rejected proposals; never hashed, so reused first)."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            assert block.hash is None and block.ref_count == 1, f"block {block_id} is not a speculative tail"
+            block.ref_count = 0
+            self.free_block_ids[block_id] = None
+            self.free_block_ids.move_to_end(block_id, last=False)
+        self._num_slots[seq.seq_id] = num_tokens
+
     def free(self, seq: Sequence) -> None:
         # Tail blocks go back first, so they are evicted before the prefix blocks that lead to them.
         for block_id in reversed(seq.block_table):

@@ -1,5 +1,6 @@
 """The engine's one configuration object, built once and read-only afterwards."""
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)  # weight-only int8 on CPU (engine/layers/quantization.py)
@@ -9,6 +10,60 @@ CPU_KV_CACHE_GB = 1.0
 # Tokens per step by default. On CPU a step of many thousand tokens spills its activations out of
 # the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model).
 MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+SPECULATIVE_METHODS = ("ngram",)  # proposers (engine/speculative.py)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py), in vLLM's terms; EngineConfig.speculative_config
+    also takes it as a dict or a JSON string."""
+    method: str = "ngram"  # ngram: prompt lookup (the sequence's own earlier text proposes what follows)
+    num_speculative_tokens: int = 4  # k: most tokens proposed per sequence and step
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched (tried first)
+    # switch-off rules: no speculation in a step with more decoding sequences than this (verifying k
+    # extra tokens per sequence costs more than it saves once the batch keeps the device busy) ...
+    disable_by_batch_size: int = 8
+    # ... nor, for a sequence, while its recent acceptance rate (a moving average) is below this
+    min_acceptance_rate: float = 0.2
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}; got "
+                             f"{self.method!r} (draft-model speculation is not supported yet)")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        r = self.min_acceptance_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise ValueError(f"speculative_config: min_acceptance_rate must be in [0, 1], got {r!r}")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """From a SpeculativeConfig, a dict, a JSON string, or None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        if "model" in value:
+            raise ValueError("speculative_config: draft-model speculation (\"model\") is not supported yet; "
+                             "use {\"method\": \"ngram\"}")
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}; known: "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
 
 
 @dataclass(frozen=True)
@@ -34,6 +89,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py, engine/workers.py)
     tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
     max_queue_wait_s: float | None = None  # a request never scheduled this long after arrival is refused
+    speculative_config: SpeculativeConfig | None = None  # speculative decoding; None: off (also a dict or JSON)
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -69,6 +125,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 
 def _is_int(x) -> bool:

@@ -20,6 +20,7 @@ from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLo
 from pagoda.engine.core_io import EngineRequest
 from pagoda.engine.scheduler import Scheduler, SchedulerOutput, finished_per_s
 from pagoda.engine.sequence import FinishReason, Sequence
+from pagoda.engine.speculative import Speculator
 from pagoda.engine.structured import StructuredOutputManager
 from pagoda.engine.workers import Workers
 
@@ -145,6 +146,8 @@ class EngineCore:
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.structured, c.max_queue_wait_s)
+        spec = c.speculative_config
+        self.speculator = Speculator(spec, c.max_model_len) if spec is not None else None
 
     # ---- requests ----
 
@@ -199,18 +202,27 @@ class EngineCore:
         return self.execute(sched, failed)
 
     def schedule(self) -> tuple[SchedulerOutput, list[Sequence]]:
-        """The step's first phase: sequences whose grammar is built join the queue, the scheduler picks
-        the batch, after the sequences past a time limit or their queue-wait limit finish. Then num_waiting
-        is the step's (the transport reports it before the model runs). Returns the batch, and the
-        sequences that finished before it (a grammar failed, a limit passed)."""
+        """The step's first phases: sequences whose grammar is built join the queue, the sequences past a
+        time limit or their queue-wait limit finish, the scheduler picks the batch, the speculator proposes
+        tokens for it. Then num_waiting is the step's (the transport reports it before the model runs).
+        Returns the batch, and the sequences that finished before it (a grammar failed, a limit passed)."""
         failed = self._admit_compiled() + self.scheduler.expire()
-        return self.scheduler.schedule(), failed
+        sched = self.scheduler.schedule()
+        self._propose(sched)
+        return sched, failed
 
     def execute(self, sched: SchedulerOutput, failed: list[Sequence]) -> list[RequestOutput]:
-        """The rest of the step: run -> update from output -> report."""
+        """The rest of the step: run (proposals verified and accepted in it) -> update from output ->
+        report."""
         result = self._run(sched, idle=not failed)
         changed = self._update_from_output(sched, result)
         return self._report(failed + changed)
+
+    def _propose(self, sched: SchedulerOutput) -> None:
+        """Speculative decoding: proposed tokens join the decoding sequences' queries."""
+        proposals = self.speculator.propose(sched) if self.speculator is not None else None
+        if proposals is not None:
+            self.scheduler.add_proposals(sched, proposals)
 
     def _admit_compiled(self) -> list[Sequence]:
         """Sequences whose grammar is built join the scheduler; those whose grammar failed finish."""
@@ -246,11 +258,17 @@ class EngineCore:
             return [s for s in sched.seqs if s.is_finished]  # a failed run
         for seq, lps in result.prompt_logprobs:
             seq.prompt_logprobs += lps
-        if result.logprobs is not None:
-            for seq, tokens, lp in zip(sched.sampling_seqs, result.tokens, result.logprobs):
-                if lp is not None:
-                    seq.logprobs.append(TokenLogprob(tokens[0], lp[0], lp[1]))
-        return self.scheduler.update_from_output(sched, result.tokens)
+        if self.speculator is not None:
+            self.speculator.observe(sched, result.tokens)
+        if result.logprobs is None:
+            return self.scheduler.update_from_output(sched, result.tokens)
+        seqs = sched.sampling_seqs
+        before = [s.num_tokens for s in seqs]
+        changed = self.scheduler.update_from_output(sched, result.tokens)
+        for seq, n, tokens, lps in zip(seqs, before, result.tokens, result.logprobs):
+            if lps is not None:  # of the tokens appended (a stop drops the rest)
+                seq.logprobs += [TokenLogprob(t, *lp) for t, lp in zip(tokens[:seq.num_tokens - n], lps)]
+        return changed
 
     def _report(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """The outputs of the sequences the step changed; finished requests are forgotten."""
@@ -281,20 +299,22 @@ class EngineCore:
     # ---- reporting ----
 
     def stats(self) -> EngineStats:
-        b, s, now = self.block_manager.stats(), self.scheduler, time.monotonic()
+        b, s, spec, now = self.block_manager.stats(), self.scheduler, self.speculator, time.monotonic()
         return EngineStats(len(s.running), self.num_waiting, b.num_total_blocks, b.num_free_blocks,
                            b.num_used_blocks, b.num_wasted_slots, s.num_prompt_tokens_processed,
                            s.num_generated_tokens, s.num_preemptions, now - self.started,
                            b.num_cached_blocks, s.num_prompt_tokens_cached,
                            s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0,
                            s.num_waiting_tokens, max(0, s.max_num_seqs - len(s.running)), s.max_num_batched_tokens, s.step_s,
-                           finished_per_s(s.finish_times, now))
+                           finished_per_s(s.finish_times, now),
+                           *((spec.num_proposed, spec.num_accepted, spec.mean_accepted_length) if spec else ()))
 
     def model_info(self) -> ModelInfo:
         c = self.config
         return ModelInfo(self.model_name, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
-                         c.max_num_batched_tokens, c.max_queue_len, c.quantization or "")
+                         c.max_num_batched_tokens, c.max_queue_len, c.quantization or "",
+                         c.speculative_config.to_json() if c.speculative_config else "")
 
 
 def _log_phase(phase: str, t0: float, what: str) -> None:

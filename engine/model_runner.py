@@ -19,6 +19,7 @@ from pagoda.engine.models import build_model
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.engine.sequence import Sequence
+from pagoda.engine.speculative import accepted_tokens, proposal_rows
 from pagoda.engine.workers import cpu_threads, step_inputs
 
 log = logging.getLogger("pagoda.engine")
@@ -171,11 +172,33 @@ class ModelRunner:
             if not sample_seqs:
                 return StepResult([], None, prompt_lps)
             logits = self._logits(hidden, logits_idx)  # [num_sampled_rows, vocab]
-        if all(s.params.is_plain_greedy and s.num_generated_tokens >= s.params.min_tokens for s in sample_seqs):
+        plain = all(s.params.is_plain_greedy and s.num_generated_tokens >= s.params.min_tokens for s in sample_seqs)
+        if sched.spec_tokens:
+            return self._verify(sched, logits, plain, prompt_lps)
+        if plain:
             return StepResult(_token_lists(self.sampler.argmax(logits.float())), None, prompt_lps)
         tokens, lp = self.sampler(logits, self._sampling_tensors(sample_seqs))
-        lps = None if lp is None else _logprob_lists(lp, tokens, sample_seqs)
+        lps = None if lp is None else [None if x is None else [x] for x in _logprob_lists(lp, tokens, sample_seqs)]
         return StepResult(_token_lists(tokens), lps, prompt_lps)
+
+    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, plain: bool, prompt_lps) -> "StepResult":
+        """Speculative decoding: logits [rows, vocab] of every sampled row (a speculating sequence has
+        one per proposal plus one) -> each sampling sequence's accepted tokens (engine/speculative.py)."""
+        num_rows = np.array([k for k in sched.num_sampled if k], dtype=np.int64)
+        proposals = self._to_device(proposal_rows(sched), torch.int64)  # [rows]
+        if plain:
+            tokens, lp = self.sampler.argmax(logits.float()), None
+        else:  # every row sampled as if it were the sequence's next position
+            row_seqs = [s for s, k in zip(sched.seqs, sched.num_sampled) for _ in range(k)]
+            offsets = [j for k in sched.num_sampled for j in range(k)]
+            tokens, lp = self.sampler(logits, self._sampling_tensors(row_seqs, offsets))
+        lists = accepted_tokens(tokens, tokens == proposals, num_rows)
+        lps = None
+        if lp is not None:  # per sequence, a (logprob, top) pair per row; rows past its tokens unused
+            flat = _logprob_lists(lp, tokens, row_seqs)
+            ends = np.cumsum(num_rows)
+            lps = [None if flat[b - 1] is None else flat[b - n:b] for n, b in zip(num_rows, ends)]
+        return StepResult(lists, lps, prompt_lps)
 
     def _scored_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int,
                          rows: int = SCORED_ROWS) -> list[TokenLogprob]:
@@ -241,7 +264,7 @@ class ModelRunner:
     def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype, non_blocking=True)
 
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+    def _sampling_tensors(self, seqs: list[Sequence], offsets: list[int] | None = None) -> SamplingTensors:
         params = [s.params for s in seqs]
         dev = self.device
 
@@ -259,12 +282,26 @@ class ModelRunner:
             min_p=col(min_p, torch.float32) if any(m > 0 for m in min_p) else None,
             is_greedy=col(is_greedy, torch.bool),
             all_greedy=all(is_greedy),
-            generators=[(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None],
+            generators=self._generators(seqs, offsets),
             logit_adds=self._logit_adds(seqs),
             allowed=self._grammar_masks(seqs),
             penalties=self._penalties(seqs),
             num_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=-1),
         )
+
+    def _generators(self, seqs: list[Sequence], offsets: list[int] | None) -> list[tuple[int, torch.Generator]]:
+        """The seeded rows' generators, each seeded from (seed, completion index, position of the token
+        it samples): a seeded completion's draws then depend on nothing else, whatever the batch and
+        whether speculation verified several positions of it this step (offsets: a row's position
+        past the sequence's next token; its rows past the first get generators of their own)."""
+        out = []
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                offset = offsets[i] if offsets else 0
+                gen = s.generator if offset == 0 else torch.Generator(device=self.device)
+                gen.manual_seed(hash((s.params.seed, s.index, s.num_tokens + offset)) & (2**63 - 1))
+                out.append((i, gen))
+        return out
 
     def _logit_adds(self, seqs: list[Sequence]):
         """What is added to single logits, as (rows, token ids, values): logit_bias (-100 and below ban,
@@ -341,8 +378,8 @@ def _decode_groups(context_lens: np.ndarray, block_size: int, num_groups: int = 
 
 @dataclass
 class StepResult:
-    tokens: list[list[int]]  # per sampling sequence, in the step's order: its new tokens (one today)
-    logprobs: list | None = None  # per sampling sequence: (chosen logprob, top pairs) or None
+    tokens: list[list[int]]  # per sampling sequence, in the step's order: its new tokens
+    logprobs: list | None = None  # per sampling sequence: a (chosen logprob, top pairs) per new token, or None
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)  # new this step
 
 
@@ -350,10 +387,12 @@ def _gather(sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     """The one pass over the step's sequences (numpy does the rest): the new tokens' ids, flat;
     each seq's first new position; block tables [num_seqs, widest], padded with -1."""
     starts, ids, tables = [], [], []
-    for s, n in zip(sched.seqs, sched.num_new_tokens):
+    for i, (s, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
         a = s.num_computed_tokens
         starts.append(a)
         ids += s.token_ids[a:a + n]
+        if sched.spec_tokens:
+            ids += sched.spec_tokens[i]  # proposals follow the last token (speculative decoding)
         tables.append(s.block_table)
     tables = np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
     return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), tables

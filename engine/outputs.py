@@ -119,6 +119,9 @@ class EngineStats:
         short = self.num_waiting + num_seqs - self.num_free_seats
         seats = short / self.finished_per_s if short > 0 and self.finished_per_s else 0.0
         return max(steps * self.step_s, seats)
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_mean_accepted_length: float = 0.0  # tokens a sequence gains per verifying step (accepted + 1); 0: none
 
 
 @dataclass(frozen=True)
@@ -135,3 +138,4 @@ class ModelInfo:
     max_num_batched_tokens: int
     max_queue_len: int
     quantization: str = ""  # "" (none) or "int8" (weight-only)
+    speculative_config: str = ""  # speculative decoding's config as JSON; "" when off

@@ -15,7 +15,10 @@ class SchedulerOutput:
     """What one step runs: the runner reads token ids, positions and block tables from these."""
     seqs: list[Sequence] = field(default_factory=list)  # single-token queries first, then longer
     num_new_tokens: list[int] = field(default_factory=list)  # per seq: tokens it computes this step
-    num_sampled: list[int] = field(default_factory=list)  # per seq: tokens it samples this step (0 or 1 today)
+    num_sampled: list[int] = field(default_factory=list)  # per seq: query rows whose logits it samples
+    # per seq: the proposed tokens it verifies this step (speculative decoding; empty list: none). They
+    # follow its last token in the query; they are not in its token_ids until accepted. [] : none at all
+    spec_tokens: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     start_time: float = 0.0  # time.monotonic() when the step was scheduled
 
@@ -105,6 +108,26 @@ class Scheduler:
         out.num_sampled = [num_to_sample(s, n) for s, n in zip(out.seqs, out.num_new_tokens)]
         return out
 
+    def add_proposals(self, out: SchedulerOutput, proposals: list[list[int]]) -> None:
+        """Speculative decoding: each sequence's proposed tokens (aligned with out.seqs) join its query
+        as far as the step's token budget and the free blocks allow (a guess never preempts anything);
+        every query row is sampled. Single-token queries stay first."""
+        budget = self.max_num_batched_tokens - out.num_tokens
+        out.spec_tokens = [[] for _ in out.seqs]
+        for i, (seq, spec) in enumerate(zip(out.seqs, proposals)):
+            spec = spec[:max(0, budget)]
+            while spec and not self.block_manager.can_append(seq, seq.num_tokens + len(spec)):
+                spec = spec[:-1]
+            if spec:
+                self.block_manager.append(seq, seq.num_tokens + len(spec))
+                out.num_new_tokens[i] += len(spec)
+                out.num_sampled[i] += len(spec)
+                out.spec_tokens[i] = spec
+                budget -= len(spec)
+        order = sorted(range(len(out.seqs)), key=lambda i: out.num_new_tokens[i] != 1)  # stable
+        for name in ("seqs", "num_new_tokens", "num_sampled", "spec_tokens"):
+            setattr(out, name, [getattr(out, name)[i] for i in order])
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -167,19 +190,30 @@ class Scheduler:
         finish sequences that stop. Returns the sequences that got tokens or finished."""
         changed, rows, now = [], iter(tokens), time.monotonic()
         self.step_s += 0.2 * (now - out.start_time - self.step_s)
-        for seq, n, k in zip(out.seqs, out.num_new_tokens, out.num_sampled):
+        specs = out.spec_tokens or [()] * len(out.seqs)
+        for seq, n, k, spec in zip(out.seqs, out.num_new_tokens, out.num_sampled, specs):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_processed += n
                 seq.prefill_chunks.append((out.start_time, now, n))
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(spec)  # proposals count once accepted
             self.block_manager.register_full_blocks(seq)
             if k:
                 self._append(seq, next(rows))
+                if spec and not seq.is_finished:
+                    self._roll_back(seq)
                 changed.append(seq)
             elif seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:  # a prompt scored
                 self.finish(seq, FinishReason.LENGTH)
                 changed.append(seq)
         return changed
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """After a verification: the accepted proposals' KV is valid (all but the new last token are
+        computed); the slots of the rejected ones are given back. Only verified tokens reach the
+        prefix cache."""
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.trim(seq, seq.num_tokens)
+        self.block_manager.register_full_blocks(seq)
 
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
         """Append tokens one by one; the first that stops the sequence is its last (the rest are dropped)."""

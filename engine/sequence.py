@@ -80,6 +80,7 @@ class Sequence:
         self.stream = stream  # outputs every step, or only when finished (engine/core_outputs.py)
         self.num_tokens_sent = 0  # generated tokens already in an output
         self.num_text_sent = 0  # characters of the text already in an output
+        self.speculation = None  # engine/speculative.py SpecState, once speculative decoding looks at it
 
     @property
     def num_tokens(self) -> int:

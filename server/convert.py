@@ -303,6 +303,7 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits
         eos_token_ids=list(info.eos_token_ids),
         block_size=info.block_size,
         num_kv_blocks=info.num_kv_blocks,
+        speculative_config=info.speculative_config,
         limits=pb.ServerLimits(
             max_num_seqs=info.max_num_seqs,
             max_num_batched_tokens=info.max_num_batched_tokens,

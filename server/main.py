@@ -48,6 +48,14 @@ def _seconds(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (0: no limit), got {text!r}")
     return value
+def _speculative_config(text: str):
+    """--speculative-config's JSON, checked while the flags are parsed (one line naming the flag)."""
+    from pagoda.engine.config import SpeculativeConfig  # torch-free
+
+    try:
+        return SpeculativeConfig.parse(text) if text.strip() else None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -103,6 +111,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="on", choices=["on", "off"])
     opt("--tensor-parallel-size", "TENSOR_PARALLEL_SIZE", "split the model over this many ranks (processes; one "
         "GPU each on CUDA), which must divide its attention heads (default: 1)", type=int, default=1)
+    opt("--speculative-config", "SPECULATIVE_CONFIG", "speculative decoding, as JSON in vLLM's terms, e.g. "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: off)",
+        type=_speculative_config, metavar="JSON")
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
         f"(default: {DEFAULT_GRACE_S:g})", type=float, default=DEFAULT_GRACE_S)
     opt("--log-level", "LOG_LEVEL", "logging level (default: INFO)", default="INFO")
@@ -270,6 +281,7 @@ def engine_config(args: argparse.Namespace):
         cpu_threads=args.cpu_threads or max(1, serving_cpu_threads() // max(1, args.tensor_parallel_size)),
         engine_process=getattr(args, "engine_process", "on") == "on",
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 

@@ -65,7 +65,9 @@ def stats_dict(s) -> dict:
             "num_preemptions": s.num_preemptions, "uptime_seconds": s.uptime_s,
             "kv_blocks_cached": s.num_cached_blocks, "cached_prompt_tokens": s.num_cached_prompt_tokens,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "queue_wait_estimate_seconds": s.queue_wait_s(),
-            "step_seconds": s.step_s, "finished_per_second": s.finished_per_s}
+            "step_seconds": s.step_s, "finished_per_second": s.finished_per_s,
+            "spec_proposed_tokens": s.spec_proposed_tokens,
+            "spec_accepted_tokens": s.spec_accepted_tokens, "spec_mean_accepted_length": s.spec_mean_accepted_length}
 
 
 class ServerState:

@@ -112,3 +112,11 @@ def test_quantization_accuracy_benchmark(checkpoint, tmp_path):
     for v in result["variants"].values():
         assert 0.5 <= v["teacher_forced_top1"] <= 1 and 0 <= v["mean_abs_logprob_diff"] <= v["max_abs_logprob_diff"]
     assert "| int8 |" in r.stdout
+
+
+def test_speculative_runs_with_and_without_and_checks_the_outputs(checkpoint):
+    # random weights: little is accepted, but both engines run the same workloads to the same tokens
+    r = _run("speculative.py", "--model", checkpoint("llama"), "--streams", "1", "3", "--new-tokens", "8",
+             "--repeats", "1", "--snippet-tokens", "64", "--threads", "1", "--no-results")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| edit | 1 |" in r.stdout and "| continue | 3 |" in r.stdout and "mean accepted length" in r.stdout

@@ -1,0 +1,135 @@
+"""Speculative decoding (n-gram prompt lookup) against none, on a model trained here
+(benchmarks/trained_model.py: random weights would make acceptance meaningless). Runs alternate
+(off, on, off, on, ...) so that a busy machine slows both alike; greedy, so both give the same
+tokens (checked).
+
+Workloads, from the standard library's source (held out: files the model was not trained on
+first, taken from the end of the sorted list):
+  edit      the prompt is a piece of code, then a comment asking for it again, then its first
+            line: the answer copies the code (small changes where the model makes them), where
+            prompt lookup shines;
+  continue  free continuation of a piece of code, where it has little to look up.
+
+    python benchmarks/speculative.py --streams 1 16 64 --repeats 3
+"""
+import argparse
+import glob
+import os
+import statistics
+import sys
+import sysconfig
+import time
+
+import common
+import trained_model
+
+SNIPPET_LINES = 24
+
+
+def snippets(tokenizer, count: int, max_tokens: int) -> list[str]:
+    """Pieces of stdlib code (a top-level function's first SNIPPET_LINES lines, fewer to fit in
+    max_tokens) from files late in the sorted list (the training corpus is read from the start)."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for path in sorted(glob.glob(os.path.join(root, "*.py")), reverse=True):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        start = next((i for i, line in enumerate(lines) if line.startswith("def ")), None)
+        if start is None:
+            continue
+        piece = lines[start:start + SNIPPET_LINES]
+        while len(piece) > 1 and len(tokenizer("\n".join(piece) + "\n")["input_ids"]) > max_tokens:
+            piece.pop()
+        out.append("\n".join(piece) + "\n")
+        if len(out) == count:
+            break
+    return out
+
+
+def prompts(tokenizer, workload: str, count: int, max_tokens: int) -> list[list[int]]:
+    texts = snippets(tokenizer, count, max_tokens)
+    if workload == "edit":
+        texts = [f"{t}\n\n# The same function again, with its names unchanged:\n{t.splitlines()[0]}\n" for t in texts]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def run(llm, batch: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    from pagoda.engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params)
+    return len(batch) * new_tokens / (time.perf_counter() - t0), [o.token_ids for o in outs]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--train-steps", type=int, default=600, help="the trained model's steps (its cache key)")
+    p.add_argument("--model", help="an existing checkpoint instead of the trained model (with random weights: "
+                                   "what failed speculation costs, not what it saves)")
+    p.add_argument("--model-config", choices=sorted(common.MODEL_CONFIGS),
+                   help="random weights of this shape (benchmarks/common.py) instead of the trained model")
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--workloads", nargs="+", default=["edit", "continue"], choices=["edit", "continue"])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--snippet-tokens", type=int, default=192, help="most tokens of a code snippet")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--note", default="", help="a sentence on the conditions, for RESULTS.md")
+    common.add_results_args(p)
+    args = common.finish_args(p.parse_args(argv))
+    from pagoda.engine import LLM
+
+    if args.model or args.model_config:
+        path = args.model or common.cached_checkpoint(args.model_config)
+        what = f"checkpoint {args.model or args.model_config + ' (random weights)'}"
+    else:
+        path = trained_model.build(args.train_steps)["target"]
+        what = f"trained target ({args.train_steps} steps, benchmarks/trained_model.py)"
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3}
+    kw = dict(dtype=args.dtype, device=args.device, enable_prefix_caching=False, num_kv_blocks=4096)
+    engines = {"off": LLM(path, **kw), "ngram": LLM(path, speculative_config=spec, **kw)}
+    tokenizer = engines["off"].tokenizer
+    rows = []
+    for workload in args.workloads:
+        pool = prompts(tokenizer, workload, max(args.streams), args.snippet_tokens)
+        for streams in args.streams:
+            batch = (pool * streams)[:streams]
+            rates = {name: [] for name in engines}
+            accepted = []
+            for name, llm in engines.items():  # warm-up
+                run(llm, batch[:1], 8)
+            for _ in range(args.repeats):
+                outputs = {}
+                for name, llm in engines.items():
+                    s = llm.engine.speculator
+                    before = (s.num_accepted, s.num_verifications) if s else None
+                    rate, outputs[name] = run(llm, batch, args.new_tokens)
+                    rates[name].append(rate)
+                    if s:
+                        n = s.num_verifications - before[1]
+                        accepted.append(1 + (s.num_accepted - before[0]) / n if n else 1.0)
+                if outputs["off"] != outputs["ngram"]:
+                    sys.exit("greedy outputs differ with speculation: a bug")
+            off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
+            rows.append([workload, streams, f"{off:.0f}", f"{on:.0f}", f"{on / off:.2f}x",
+                         f"{statistics.mean(accepted):.2f}"])
+            print(rows[-1], flush=True)
+    table = common.markdown_table(["workload", "streams", "off tok/s", "ngram tok/s", "ngram / off",
+                                   "mean accepted length"], rows)
+    print(table)
+    if not args.no_results:
+        common.append_results(
+            args.results, "speculative decoding (n-gram) vs none",
+            f"Model: {what}; greedy, {args.new_tokens} new "
+            f"tokens per stream, k={args.k}, prompt_lookup_max 3, default switch-off (disable_by_batch_size 8, "
+            f"min_acceptance_rate 0.2); medians of {args.repeats} alternating runs; outputs identical with and "
+            f"without. Mean accepted length: tokens per verifying step (accepted + 1). {args.note}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""Speculative decoding: proposers guess a few tokens per running sequence; the target model
+verifies them all in one forward (each sequence's last token plus its proposals, a multi-token
+query over its cached blocks); the acceptance rule keeps the output exactly the target's.
+
+    schedule -> propose (Speculator.propose, Scheduler.add_proposals) -> run (the model scores every
+    query position, the sampler draws a token at each) -> accept (accepted_tokens) ->
+    Scheduler.update_from_output (appends only accepted tokens; rolls back the rejected ones' slots)
+    -> Speculator.observe (metrics, switch-off)
+
+Acceptance. The rejection sampling of Leviathan et al. 2023 / Chen et al. 2023 for a point-mass
+proposal x (n-gram lookup proposes one token, with probability 1) accepts x with probability p(x)
+and on rejection samples from p with x removed, renormalised. Drawing t ~ p at the position and
+accepting iff t == x realises exactly that law (P(t == x) = p(x); given t != x, t is distributed
+as p without x), and the first rejected position's token is t itself. So every query row is sampled
+as usual (greedy rows: the argmax) and a sequence keeps its proposals up to the first that differs
+from the row's token, plus that token (or, all accepted, the last row's). With the draws of a
+seeded row keyed by its position (ModelRunner._generators), a seeded request gives the same text
+with speculation as without, whatever the batch. (A draft model's proposals, not point masses,
+would need the general rule: accept with min(1, p(x) / q(x)), else draw from max(0, p - q).)
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.engine.config import SpeculativeConfig
+
+PAUSE_STEPS = 16  # steps a sequence with poor recent acceptance goes without proposals
+ACCEPTANCE_DECAY = 0.5  # weight of the history in a sequence's moving acceptance rate
+
+
+@dataclass
+class SpecState:
+    """A sequence's recent speculation (Sequence.speculation)."""
+    acceptance: float = 1.0  # moving average of accepted / proposed
+    paused: int = 0  # steps left without proposals
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of the sequence (prompt_lookup_max tokens down to
+    prompt_lookup_min) found earlier in its own text proposes the tokens that followed it there
+    (the latest such match that has k tokens after it, else the latest)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        ids = np.asarray(token_ids, dtype=np.int64)
+        size = len(ids)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            # windows: [size - n, n], the n-grams starting at 0 .. size - n - 1 (not the suffix itself)
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+            starts = np.flatnonzero((windows == ids[size - n:]).all(axis=1))
+            if len(starts):
+                full = starts[starts + n + k <= size]
+                s = int(full[-1] if len(full) else starts[-1]) + n
+                return ids[s:s + k].tolist()
+        return []
+
+
+class Speculator:
+    """The proposals of a step, under the switch-off rules, and the counts of what was accepted."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config, self.max_model_len = config, max_model_len
+        self.proposer = NgramProposer(config)
+        self.num_proposed = 0  # proposed tokens verified
+        self.num_accepted = 0  # of those, accepted
+        self.num_verifications = 0  # sequence-steps that verified proposals
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence gains per verifying step: accepted proposals plus the target's own."""
+        return 1 + self.num_accepted / self.num_verifications if self.num_verifications else 0.0
+
+    def propose(self, sched) -> list[list[int]] | None:
+        """Per sequence of the step (in its order): the tokens to verify (empty: none); None when the
+        step does not speculate. Switch-off: a step running more than disable_by_batch_size sequences
+        (its verification would cost more than it saves), and a sequence whose recent acceptance
+        rate fell below min_acceptance_rate (for PAUSE_STEPS steps)."""
+        if len(sched.seqs) > self.config.disable_by_batch_size:
+            return None
+        out = [[] for _ in sched.seqs]
+        for i, (seq, n, k) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.num_sampled)):
+            if n == 1 and k == 1:  # the sequence's last token only: its next token is sampled now
+                room = self._room(seq)
+                if room:
+                    out[i] = self.proposer.propose(seq.token_ids, room)
+        return out if any(out) else None
+
+    def _room(self, seq) -> int:
+        """How many tokens seq may have proposed: 0 where its next token's distribution depends on the
+        tokens before it in ways the verification does not see (penalties, bad words, min_tokens,
+        a grammar), or while paused."""
+        p = seq.params
+        if seq.matcher is not None or p.needs_penalties or seq.bad_words or seq.num_generated_tokens < p.min_tokens:
+            return 0
+        state = seq.speculation = seq.speculation or SpecState()
+        if state.paused:
+            state.paused -= 1
+            return 0
+        # the bonus token needs room too: at most max_tokens generated, max_model_len in all
+        left = min(seq.max_tokens - seq.num_generated_tokens, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(self.config.num_speculative_tokens, left))
+
+    def observe(self, sched, tokens: list[list[int]]) -> None:
+        """Count the step's accepted proposals (each speculating row of `tokens` holds the accepted
+        proposals plus one token) and update each sequence's moving acceptance rate."""
+        if not sched.spec_tokens:
+            return
+        rows = iter(tokens)
+        for seq, k, spec in zip(sched.seqs, sched.num_sampled, sched.spec_tokens):
+            row = next(rows) if k else None
+            if not spec:
+                continue
+            accepted = len(row) - 1
+            self.num_proposed += len(spec)
+            self.num_accepted += accepted
+            self.num_verifications += 1
+            state = seq.speculation
+            state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * accepted / len(spec)
+            if state.acceptance < self.config.min_acceptance_rate:
+                state.paused, state.acceptance = PAUSE_STEPS, 1.0  # then try again
+
+
+def proposal_rows(sched) -> np.ndarray | None:
+    """Per sampled row of the step: the proposed token that row's logits verify, -1 where none
+    (a sequence's last row, a sequence that does not speculate); None when none speculates."""
+    if not sched.spec_tokens:
+        return None
+    rows = []
+    for k, spec in zip(sched.num_sampled, sched.spec_tokens):
+        if k:
+            rows += spec
+            rows.append(-1)
+    return np.array(rows, dtype=np.int64)
+
+
+def accepted_tokens(tokens: torch.Tensor, accepted: torch.Tensor, num_rows: np.ndarray) -> list[list[int]]:
+    """Per sampling sequence, its new tokens: the accepted prefix of its proposals, then the token of
+    the first row not accepted. tokens, accepted: [num_rows_total], each row's token (the target's
+    choice there) and whether it equals the row's proposal; num_rows: rows per sequence. The step's
+    one host-device sync."""
+    width = int(num_rows.max())
+    first = np.cumsum(num_rows) - num_rows
+    cols = np.arange(width)
+    valid = cols[None, :] < num_rows[:, None]
+    idx = torch.from_numpy(np.where(valid, first[:, None] + cols[None, :], first[:, None])).to(tokens.device)
+    # idx: [num_seqs, width] rows of each sequence, padded with its first
+    ok = accepted[idx] & torch.from_numpy(valid).to(tokens.device)
+    num_accepted = ok.int().cumprod(dim=1).sum(dim=1)  # [num_seqs]
+    table = torch.cat([num_accepted[:, None], tokens[idx]], dim=1).tolist()
+    return [r[1:r[0] + 2] for r in table]
