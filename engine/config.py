@@ -33,6 +33,7 @@ class EngineConfig:
     engine_process: bool = False  # AsyncEngine: the engine loop in a child process (else a thread)
     tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py, engine/workers.py)
     tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
+    deterministic: bool = False  # a request's output bitwise the same whatever the batch (CPU; README)
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -60,7 +61,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "engine_process"):
+        for name in ("enable_prefix_caching", "enforce_eager", "engine_process", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.seed):

@@ -11,6 +11,7 @@ from pagoda.engine import parallel
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
+from pagoda.engine.layers import deterministic
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
@@ -56,12 +57,16 @@ class ModelRunner:
         self.block_size = config.block_size
         head_dim = next(m.head_dim for m in model.modules() if hasattr(m, "head_dim"))
         backend = self.attention_backend = attention_backend(config.attention_backend, device, head_dim)
+        if config.deterministic:
+            backend = self.attention_backend = deterministic.attention_backend(backend)
         self.pads_decodes = backend is None  # the torch path pads decode rows to a group's longest
         fused = getattr(backend, "fused_ops", None)
         self.sampler = Sampler(config.seed, device, argmax=fused.argmax if fused is not None else None)
         self._allocate_kv_cache(config.num_kv_blocks, backend)
         quantize_model_(model, config.quantization)
-        if device.type == "cpu":
+        if config.deterministic:
+            deterministic.prepare_model_(model, dtype, fused)
+        elif device.type == "cpu":
             _column_major_linears(model)
         # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
         # conversions do not vectorise; torch's own kernels are faster there)

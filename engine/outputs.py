@@ -111,3 +111,4 @@ class ModelInfo:
     max_num_batched_tokens: int
     max_queue_len: int
     quantization: str = ""  # "" (none) or "int8" (weight-only)
+    deterministic: bool = False  # EngineConfig.deterministic
