@@ -85,6 +85,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="on", choices=["on", "off"])
     opt("--tensor-parallel-size", "TENSOR_PARALLEL_SIZE", "split the model over this many ranks (processes; one "
         "GPU each on CUDA), which must divide its attention heads (default: 1)", type=int, default=1)
+    opt("--deterministic", "DETERMINISTIC", "bitwise the same tokens and logprobs for a request whatever else "
+        "the server is doing (CPU; see the README's Reproducibility; default: off)", default="off", nargs="?",
+        const="on", choices=["on", "off"])
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
         f"(default: {DEFAULT_GRACE_S:g})", type=float, default=DEFAULT_GRACE_S)
     opt("--log-level", "LOG_LEVEL", "logging level (default: INFO)", default="INFO")
@@ -249,6 +252,7 @@ def engine_config(args: argparse.Namespace):
         cpu_threads=args.cpu_threads or max(1, serving_cpu_threads() // max(1, args.tensor_parallel_size)),
         engine_process=getattr(args, "engine_process", "on") == "on",
         tensor_parallel_size=args.tensor_parallel_size,
+        deterministic=getattr(args, "deterministic", "off") == "on",
     )
 
 

@@ -71,29 +71,34 @@ def scenarios(path: str, batches=(2, 7, 64), **options) -> dict[str, list]:
     """{scenario: [signature of each probe]}, the first "alone" (each probe on its own)."""
     out = {}
     llm = LLM(path, enable_prefix_caching=False, **options)
-    vocab = llm.engine.hf_config.vocab_size
-    ps = probes(vocab)
-    out["alone"] = [signature(_run(llm, [p])[0]) for p in ps]
-    for size in batches:
-        groups = [[p] for p in ps] if size <= len(ps) else [ps]  # each probe with a filler, or all together
-        sigs = []
-        for i, group in enumerate(groups):
-            requests, where = _with_probes(group, fillers(vocab, size - len(group), seed=size + i), seed=size + i)
-            outs = _run(llm, requests)
-            sigs += [signature(outs[j]) for j in where]
-        out[f"batch of {size}"] = sigs
-    del llm
+    try:
+        vocab = llm.engine.hf_config.vocab_size
+        ps = probes(vocab)
+        out["alone"] = [signature(_run(llm, [p])[0]) for p in ps]
+        for size in batches:
+            groups = [[p] for p in ps] if size <= len(ps) else [ps]  # each probe with a filler, or all together
+            sigs = []
+            for i, group in enumerate(groups):
+                requests, where = _with_probes(group, fillers(vocab, size - len(group), seed=size + i), seed=size + i)
+                outs = _run(llm, requests)
+                sigs += [signature(outs[j]) for j in where]
+            out[f"batch of {size}"] = sigs
+    finally:
+        llm.engine.close()
     # prefill in chunks of 16 tokens, on a cache small enough that a batch preempts
     llm = LLM(path, max_num_batched_tokens=16, num_kv_blocks=8, max_model_len=64, **options)
-    out["chunked prefill (16)"] = [signature(_run(llm, [p])[0]) for p in ps]
-    again = [_run(llm, [p])[0] for p in ps]
-    assert again[1].num_cached_tokens > 0, "the probe's prefix should come from the cache"
-    out["prefix cached"] = [signature(o) for o in again]
-    requests = fillers(vocab, 10, seed=99, max_len=40) + ps  # the probes newest: preempted first
-    before = llm.engine.scheduler.num_preemptions
-    outs = _run(llm, requests)
-    assert llm.engine.scheduler.num_preemptions > before, "the batch should have preempted"
-    out["preempted"] = [signature(o) for o in outs[-len(ps):]]
+    try:
+        out["chunked prefill (16)"] = [signature(_run(llm, [p])[0]) for p in ps]
+        again = [_run(llm, [p])[0] for p in ps]
+        assert again[1].num_cached_tokens > 0, "the probe's prefix should come from the cache"
+        out["prefix cached"] = [signature(o) for o in again]
+        requests = fillers(vocab, 10, seed=99, max_len=40) + ps  # the probes newest: preempted first
+        before = llm.engine.scheduler.num_preemptions
+        outs = _run(llm, requests)
+        assert llm.engine.scheduler.num_preemptions > before, "the batch should have preempted"
+        out["preempted"] = [signature(o) for o in outs[-len(ps):]]
+    finally:
+        llm.engine.close()
     return out
 
 
