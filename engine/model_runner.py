@@ -20,6 +20,7 @@ from pagoda.engine.models import build_model
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.engine.sequence import Sequence
+from pagoda.engine.validation import MAX_TOP_LOGPROBS
 from pagoda.engine.workers import cpu_threads, step_inputs
 
 log = logging.getLogger("pagoda.engine")
@@ -42,6 +43,9 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group)
         self.workers = workers  # tensor parallelism, on the driver: the other ranks, sent each step first
+        # top logprobs per row: as many as the step's rows ask for at most; deterministic mode always takes
+        # the most a request may ask for (topk orders tied logprobs by another algorithm for another k)
+        self.fixed_top_logprobs = MAX_TOP_LOGPROBS if config.deterministic else None
         self.structured = structured  # StructuredOutputManager: the bitmasks of constrained rows
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
         self.kv_cache: torch.Tensor | None = None  # set by init_cache
@@ -268,7 +272,7 @@ class ModelRunner:
             logit_adds=self._logit_adds(seqs),
             allowed=self._grammar_masks(seqs),
             penalties=self._penalties(seqs),
-            num_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=-1),
+            num_top_logprobs=max((self.fixed_top_logprobs or p.top_logprobs for p in params if p.logprobs), default=-1),
         )
 
     def _logit_adds(self, seqs: list[Sequence]):

@@ -127,7 +127,8 @@ def prepare_model_(model: torch.nn.Module, dtype: torch.dtype, fused_ops) -> Non
     for m in model.modules():
         if isinstance(m, parallel.Linear):
             with torch.no_grad():
-                m.batch_invariant = BatchInvariantLinear(m.weight, m.bias, _buckets_for(m.weight, m.bias, dtype, checked))
+                buckets = _buckets_for(m.weight, m.bias, dtype, checked)
+                m.batch_invariant = BatchInvariantLinear(m.weight, m.bias, buckets)
             if id(m.weight) not in embedded:
                 m.weight = None
         if isinstance(m, parallel.RowParallelLinear):
