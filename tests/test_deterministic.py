@@ -13,7 +13,7 @@ from conftest import FAMILIES
 from deterministic_cases import fillers, max_logprob_diff, probes, scenarios, signature
 from grpc_fixtures import InProcessServer, openai_client
 from pagoda.client.client import Client
-from pagoda.engine import LLM, EngineConfig
+from pagoda.engine import LLM, EngineConfig, SamplingParams
 from pagoda.engine.layers import deterministic
 
 pytestmark = pytest.mark.timeout(300)
@@ -149,3 +149,13 @@ def test_cuda_and_other_activations_are_refused():
                             GPT2Config(activation_function="gelu"), "GPT2LMHeadModel")
     with pytest.raises(ValueError, match="deterministic must be a bool"):
         EngineConfig(deterministic="yes")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+def test_greedy_output_still_matches_transformers(checkpoint, family):
+    from test_correctness import MAX_NEW, _prompts, _reference
+    path = checkpoint(family)
+    llm = LLM(path, deterministic=True, dtype="float32")
+    prompts = _prompts(llm.engine.hf_config.vocab_size)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == _reference(path, prompts)

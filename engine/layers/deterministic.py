@@ -27,6 +27,10 @@ log = logging.getLogger("pagoda.engine")
 
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # rows per oneDNN call
 FIXED_TILE = 16
+# calls of at most this many rows run on one thread: oneDNN splits even one row over the threads, which
+# costs more than it saves, and on a busy machine a descheduled thread holds the call at the barrier
+# (measured: 2-100x slower for a decode step's one row with other processes on the cores; MKL keeps it on one)
+ONE_THREAD_ROWS = 8
 ALIGN = 64  # bytes; rows handed to oneDNN start on a cache line
 # activations whose every element is computed by the same code (the fused C++ SiLU; GPT-2's tanh GELU is
 # built from element-wise ops whose vector and scalar code agree, MKL's tanh included), by architecture
@@ -81,7 +85,14 @@ class BatchInvariantLinear:
             padded[:m] = x
             padded[m:] = 0
             x = padded
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:m]
+        if size > ONE_THREAD_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:m]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:m]
+        finally:
+            torch.set_num_threads(threads)
 
 
 def rows_agree(f, in_features: int, dtype: torch.dtype, sizes) -> bool:
