@@ -8,7 +8,7 @@ import random
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.structured import StructuredOutputs
 
-MAX_NEW = 10
+MAX_NEW = 8
 CHOICE = StructuredOutputs(choice=("yes", "no", "maybe so"))
 REGEX = StructuredOutputs(regex=r"[a-z]{2,6}-[0-9]{2,4}")
 
@@ -26,13 +26,13 @@ def probes(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     ]
 
 
-def fillers(vocab: int, n: int, seed: int, max_len: int = 48) -> list[tuple[list[int], SamplingParams]]:
+def fillers(vocab: int, n: int, seed: int, max_len: int = 32) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, max_len))]
         kind = rng.random()
-        sp = dict(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.5)
+        sp = dict(max_tokens=rng.randint(1, 8), ignore_eos=rng.random() < 0.5)
         if kind < 0.4:
             sp.update(temperature=0.0, logprobs=rng.random() < 0.5)
         elif kind < 0.7:

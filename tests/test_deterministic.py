@@ -159,3 +159,18 @@ def test_greedy_output_still_matches_transformers(checkpoint, family):
     prompts = _prompts(llm.engine.hf_config.vocab_size)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == _reference(path, prompts)
+
+
+def test_serve_flag_and_environment(monkeypatch):
+    from pagoda.client.cli import build_parser
+    from pagoda.server.main import engine_config
+
+    def parsed(*args):
+        return engine_config(build_parser().parse_args(["serve", *args])).deterministic
+
+    monkeypatch.delenv("PAGODA_DETERMINISTIC", raising=False)
+    assert (parsed(), parsed("--deterministic"), parsed("--deterministic", "off")) == (False, True, False)
+    monkeypatch.setenv("PAGODA_DETERMINISTIC", "on")
+    assert parsed() is True
+    with pytest.raises(SystemExit):
+        parsed("--deterministic", "yes")
