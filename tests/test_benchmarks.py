@@ -112,3 +112,15 @@ def test_quantization_accuracy_benchmark(checkpoint, tmp_path):
     for v in result["variants"].values():
         assert 0.5 <= v["teacher_forced_top1"] <= 1 and 0 <= v["mean_abs_logprob_diff"] <= v["max_abs_logprob_diff"]
     assert "| int8 |" in r.stdout
+
+
+def test_deterministic_benchmark(checkpoint):
+    args = [a for a in WORKLOAD if a not in ("--no-progress",)]
+    r = _run("deterministic.py", "--model", checkpoint("llama"), *args, "--repeats", "2", "--single-stream-tokens",
+             "4", "--ops")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| deterministic BatchInvariantLinear, 256 -> 688 | float32 | none |" in r.stdout
+    assert "| paged attention (batch_invariant): prefill vs decode, head_dim 64 | float32 | none |" in r.stdout
+    r = _run("deterministic.py", "--model", checkpoint("llama"), *args, "--repeats", "2", "--single-stream-tokens", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| offline workload, generated tokens/s |" in r.stdout and "| single stream, decode tokens/s |" in r.stdout

@@ -65,7 +65,11 @@ class BatchInvariantLinear:
     """x @ W^T (+ b) through oneDNN over W packed once, in calls of `buckets` rows (the last zero-padded)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, buckets=BUCKETS):
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        try:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        except RuntimeError as e:  # bfloat16 on a CPU without AVX-512 (torch: "bf16 path needs ...")
+            raise ValueError(f"deterministic mode: oneDNN cannot run {str(weight.dtype).removeprefix('torch.')} "
+                             f"linear layers on this CPU ({str(e).splitlines()[0]}); use dtype float32") from None
         self.bias = None if bias is None else bias.detach().contiguous()
         self.buckets = buckets
 
