@@ -12,10 +12,12 @@ do not by default):
   gets fixed calls of FIXED_TILE rows for that shape instead (slower, invariant by construction).
 - Attention: pagoda's C++ op with every token in a tile of its own (batch_invariant) and never torch's
   flash attention for long prompts, so a token's attention is the decode path's wherever it runs.
-- Norms, SiLU and rotary: pagoda's fused C++ ops in every dtype (one row at a time, the same loop for
-  each row); torch's SiLU computes a tensor's last few elements in scalar code, which rounds otherwise.
+- Norms and SiLU: pagoda's fused C++ ops in every dtype (one row at a time, the same loop for each row);
+  torch's SiLU computes a tensor's last few elements in scalar code, which rounds otherwise.
+- Top logprobs: always the 20 most likely (the model runner): torch's topk orders tied values by
+  another algorithm for another k, and k was the largest any row of the step asked for.
 - Tensor parallelism: row-parallel outputs gathered and summed in rank order.
-Softmax, log-softmax, top-k, argmax, layer norm, the sampler's element-wise ops and the seeded
+Softmax, log-softmax, argmax, layer norm, rotary, the sampler's element-wise ops and the seeded
 exponential race already compute each row on its own. CPU only: the Triton kernels split work by size.
 """
 import bisect
