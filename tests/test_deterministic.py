@@ -5,6 +5,9 @@ float32 and bfloat16, with two tensor-parallel ranks, through both doors and bot
 mode the same scenarios differ: the largest difference is printed (not a failure)."""
 import concurrent.futures
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -174,3 +177,12 @@ def test_serve_flag_and_environment(monkeypatch):
     assert parsed() is True
     with pytest.raises(SystemExit):
         parsed("--deterministic", "yes")
+
+
+def test_bfloat16_without_avx512_is_refused(checkpoint):
+    # oneDNN limited to AVX2 (as on a CPU without AVX-512) cannot pack bfloat16 weights
+    code = ("from pagoda.engine import LLM\ntry:\n    LLM(%r, deterministic=True, dtype='bfloat16')\n"
+            "except ValueError as e:\n    print(e)\n" % checkpoint("llama"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert "deterministic mode: oneDNN cannot run bfloat16 linear layers on this CPU" in r.stdout, r.stderr[-2000:]
