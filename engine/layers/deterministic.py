@@ -73,32 +73,45 @@ class BatchInvariantLinear:
             raise ValueError(f"deterministic mode: oneDNN cannot run {str(weight.dtype).removeprefix('torch.')} "
                              f"linear layers on this CPU ({str(e).splitlines()[0]}); use dtype float32") from None
         self.bias = None if bias is None else bias.detach().contiguous()
+        self.op = torch.ops.mkldnn._linear_pointwise.default
         self.buckets = buckets
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self._buckets
+
+    @buckets.setter
+    def buckets(self, sizes) -> None:
+        self._buckets, self.top = tuple(sizes), max(sizes)
+        self.size_of = [sizes[bisect.bisect_left(sizes, m)] for m in range(self.top + 1)]  # rows -> call size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
+        if x.dim() == 2 and x.shape[0] <= self.top:  # a step's usual call: no reshaping, no joining
+            return self._call(x)
         lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
-        top = self.buckets[-1]
-        parts = [self._call(x[a:a + top]) for a in range(0, x.shape[0], top)]
+        parts = [self._call(x[a:a + self.top]) for a in range(0, x.shape[0], self.top)]
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         return y.view(*lead, y.shape[-1])
 
     def _call(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
-        size = self.buckets[bisect.bisect_left(self.buckets, m)] if m <= self.buckets[-1] else m
+        size = self.size_of[m]
         if size != m or not x.is_contiguous() or x.data_ptr() % ALIGN:
             padded = x.new_empty(size, x.shape[1])
             padded[:m] = x
             padded[m:] = 0
             x = padded
         if size > ONE_THREAD_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:m]
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")[:m]
-        finally:
-            torch.set_num_threads(threads)
+            y = self.op(x, self.weight, self.bias, "none", [], "")
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                y = self.op(x, self.weight, self.bias, "none", [], "")
+            finally:
+                torch.set_num_threads(threads)
+        return y if size == m else y[:m]
 
 
 def rows_agree(f, in_features: int, dtype: torch.dtype, sizes) -> bool:
