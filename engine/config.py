@@ -90,6 +90,7 @@ class EngineConfig:
     tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
     max_queue_wait_s: float | None = None  # a request never scheduled this long after arrival is refused
     speculative_config: SpeculativeConfig | None = None  # speculative decoding; None: off (also a dict or JSON)
+    deterministic: bool = False  # a request's output bitwise the same whatever the batch (CPU; README)
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -120,7 +121,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "engine_process"):
+        for name in ("enable_prefix_caching", "enforce_eager", "engine_process", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not _is_int(self.seed):

@@ -11,7 +11,7 @@ from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import EngineDeadError
-from pagoda.engine.layers import quantization
+from pagoda.engine.layers import deterministic, quantization
 from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
 from pagoda.engine.model_runner import ModelRunner, StepResult
 from pagoda.engine.models import architecture_of
@@ -54,6 +54,7 @@ class EngineCore:
         self.vocab = TokenVocab(self.tokenizer, self.hf_config.vocab_size)
         self.structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         quantization.check(config.quantization, device_of(config.device))
+        deterministic.check(config, device_of(config.device), self.hf_config, self.architecture)
         if config.tensor_parallel_size > 1:
             parallel.check_splits(self.hf_config, config.tensor_parallel_size)
         _log_phase("config and tokenizer", t0, path)
@@ -314,7 +315,7 @@ class EngineCore:
         return ModelInfo(self.model_name, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
                          c.max_num_batched_tokens, c.max_queue_len, c.quantization or "",
-                         c.speculative_config.to_json() if c.speculative_config else "")
+                         c.speculative_config.to_json() if c.speculative_config else "", c.deterministic)
 
 
 def _log_phase(phase: str, t0: float, what: str) -> None:

@@ -11,6 +11,7 @@ from pagoda.engine import parallel
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
+from pagoda.engine.layers import deterministic
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
@@ -20,6 +21,7 @@ from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.engine.sequence import Sequence
 from pagoda.engine.speculative import accepted_tokens, proposal_rows
+from pagoda.engine.validation import MAX_TOP_LOGPROBS
 from pagoda.engine.workers import cpu_threads, step_inputs
 
 log = logging.getLogger("pagoda.engine")
@@ -42,6 +44,9 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group)
         self.workers = workers  # tensor parallelism, on the driver: the other ranks, sent each step first
+        # top logprobs per row: as many as the step's rows ask for at most; deterministic mode always takes
+        # the most a request may ask for (topk orders tied logprobs by another algorithm for another k)
+        self.fixed_top_logprobs = MAX_TOP_LOGPROBS if config.deterministic else None
         self.structured = structured  # StructuredOutputManager: the bitmasks of constrained rows
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
         self.kv_cache: torch.Tensor | None = None  # set by init_cache
@@ -57,12 +62,16 @@ class ModelRunner:
         self.block_size = config.block_size
         head_dim = next(m.head_dim for m in model.modules() if hasattr(m, "head_dim"))
         backend = self.attention_backend = attention_backend(config.attention_backend, device, head_dim)
+        if config.deterministic:
+            backend = self.attention_backend = deterministic.attention_backend(backend)
         self.pads_decodes = backend is None  # the torch path pads decode rows to a group's longest
         fused = getattr(backend, "fused_ops", None)
         self.sampler = Sampler(config.seed, device, argmax=fused.argmax if fused is not None else None)
         self._allocate_kv_cache(config.num_kv_blocks, backend)
         quantize_model_(model, config.quantization)
-        if device.type == "cpu":
+        if config.deterministic:
+            deterministic.prepare_model_(model, dtype, fused)
+        elif device.type == "cpu":
             _column_major_linears(model)
         # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
         # conversions do not vectorise; torch's own kernels are faster there)
@@ -286,7 +295,7 @@ class ModelRunner:
             logit_adds=self._logit_adds(seqs),
             allowed=self._grammar_masks(seqs),
             penalties=self._penalties(seqs),
-            num_top_logprobs=max((p.top_logprobs for p in params if p.logprobs), default=-1),
+            num_top_logprobs=max((self.fixed_top_logprobs or p.top_logprobs for p in params if p.logprobs), default=-1),
         )
 
     def _generators(self, seqs: list[Sequence], offsets: list[int] | None) -> list[tuple[int, torch.Generator]]:

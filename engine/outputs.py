@@ -139,3 +139,4 @@ class ModelInfo:
     max_queue_len: int
     quantization: str = ""  # "" (none) or "int8" (weight-only)
     speculative_config: str = ""  # speculative decoding's config as JSON; "" when off
+    deterministic: bool = False  # EngineConfig.deterministic

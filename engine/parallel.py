@@ -64,6 +64,19 @@ def all_reduce(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
     return x
 
 
+def all_reduce_in_rank_order(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
+    """all_reduce with every element summed rank 0 first, then 1, ... (deterministic mode): a ring
+    all-reduce adds each chunk of the buffer in another order, and the chunks move with its size."""
+    if g.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    g.pg.allgather([parts], [x]).wait()
+    for p in parts[1:]:
+        parts[0] += p
+    return parts[0]
+
+
 def all_gather_last(x: torch.Tensor, g: TPGroup) -> torch.Tensor:
     """x: [n, d] on every rank -> [n, size * d], rank order."""
     if g.size == 1:
@@ -104,10 +117,14 @@ def _mark(layer: nn.Module, dim: int, parts: dict) -> nn.Module:
 
 class Linear(nn.Linear):
     """nn.Linear, or with weight-only int8 quantization (engine/layers/quantization.py) its int8
-    weight and per-output scales in place of the float weight."""
+    weight and per-output scales in place of the float weight; in deterministic mode its
+    engine/layers/deterministic.py BatchInvariantLinear."""
     qweight = scales = None
+    batch_invariant = None
 
     def forward(self, x):
+        if self.batch_invariant is not None:
+            return self.batch_invariant(x)
         if self.qweight is None:
             return F.linear(x, self.weight, self.bias)
         return int8_linear(x, self)
@@ -127,6 +144,7 @@ def column_parallel(in_features: int, out_features: int, bias: bool, pieces=None
 
 class RowParallelLinear(Linear):
     """Input features split; the partial outputs are summed over the group (bias on rank 0 only)."""
+    reduce = staticmethod(all_reduce)  # deterministic mode: all_reduce_in_rank_order
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         g = group()
@@ -136,7 +154,7 @@ class RowParallelLinear(Linear):
         self.tp = g
 
     def forward(self, x):
-        return all_reduce(super().forward(x), self.tp)
+        return self.reduce(super().forward(x), self.tp)
 
 
 def _vocab_share(vocab_size: int) -> tuple[int, int, int]:

@@ -205,7 +205,8 @@ class PagodaServer:
         info, config = engine.model_info, engine.config
         device = config.device if config.device != "cpu" or not config.cpu_threads else \
             f"cpu, {config.cpu_threads} engine thread{'s' * (config.cpu_threads > 1)}"
-        dtype = info.dtype + (f" + {info.quantization} weights" if info.quantization else "")
+        dtype = info.dtype + (f" + {info.quantization} weights" if info.quantization else "") \
+            + (", deterministic" if info.deterministic else "")
         log.info("serving %s (%s, %s, %s, context %d) on port %d", info.model_id, info.architecture, dtype,
                  device, info.max_model_len, self.port)
         self.ready.set()

@@ -298,6 +298,7 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits
         architecture=info.architecture,
         dtype=info.dtype,
         quantization=info.quantization,
+        deterministic=info.deterministic,
         context_length=info.max_model_len,
         vocab_size=info.vocab_size,
         eos_token_ids=list(info.eos_token_ids),

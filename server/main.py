@@ -114,6 +114,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--speculative-config", "SPECULATIVE_CONFIG", "speculative decoding, as JSON in vLLM's terms, e.g. "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: off)",
         type=_speculative_config, metavar="JSON")
+    opt("--deterministic", "DETERMINISTIC", "bitwise the same tokens and logprobs for a request whatever else "
+        "the server is doing (CPU; see the README's Reproducibility; default: off)", default="off", nargs="?",
+        const="on", choices=["on", "off"])
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
         f"(default: {DEFAULT_GRACE_S:g})", type=float, default=DEFAULT_GRACE_S)
     opt("--log-level", "LOG_LEVEL", "logging level (default: INFO)", default="INFO")
@@ -282,6 +285,7 @@ def engine_config(args: argparse.Namespace):
         engine_process=getattr(args, "engine_process", "on") == "on",
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=getattr(args, "speculative_config", None),
+        deterministic=getattr(args, "deterministic", "off") == "on",
     )
 
 

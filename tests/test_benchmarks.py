@@ -120,3 +120,15 @@ def test_speculative_runs_with_and_without_and_checks_the_outputs(checkpoint):
              "--repeats", "1", "--snippet-tokens", "64", "--threads", "1", "--no-results")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| edit | 1 |" in r.stdout and "| continue | 3 |" in r.stdout and "mean accepted length" in r.stdout
+
+
+def test_deterministic_benchmark(checkpoint):
+    args = [a for a in WORKLOAD if a not in ("--no-progress",)]
+    r = _run("deterministic.py", "--model", checkpoint("llama"), *args, "--repeats", "2", "--single-stream-tokens",
+             "4", "--ops")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| deterministic BatchInvariantLinear, 256 -> 688 | float32 | none |" in r.stdout
+    assert "| paged attention (batch_invariant): prefill vs decode, head_dim 64 | float32 | none |" in r.stdout
+    r = _run("deterministic.py", "--model", checkpoint("llama"), *args, "--repeats", "2", "--single-stream-tokens", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| offline workload, generated tokens/s |" in r.stdout and "| single stream, decode tokens/s |" in r.stdout

@@ -35,6 +35,9 @@ std::atomic<int64_t> min_parallel_work{1 << 18};
 struct Shape {
   int64_t heads, head_dim, block_size, kv_heads, group, blocks_per_seq, num_blocks;
   int64_t q_tok, q_head;  // q's strides, in elements
+  // every token in a tile of its own: a multi-token tile sums its scores in other chains than a single
+  // token does, so a prompt token would differ by a rounding from the same token decoded (batch_invariant)
+  bool single_token_tiles;
 };
 
 // Asks for n elements from p into the cache ahead of their use: a block's chunk of keys or values
@@ -241,7 +244,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   // query tokens per tile: R = TM * GC rows of accumulators, D floats each, stay in registers
   constexpr int64_t TM = D_ > 0 && BS_ > 0 ? std::max<int64_t>(1, 256 / (GC * D_)) : 1;
   const int64_t D = D_ ? D_ : s.head_dim;
-  const std::vector<Tile> tiles = tile_tokens(seq_of, pos_of, TM);
+  const std::vector<Tile> tiles = tile_tokens(seq_of, pos_of, s.single_token_tiles ? 1 : TM);
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * s.kv_heads;
   // contiguous runs of items of about equal cost, one per thread
   int64_t total = 0, so_far = 0;
@@ -317,10 +320,11 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 // q: [num_tokens, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32;
 // query_start_loc: [num_seqs + 1] int32, or None for one token per sequence; context_lens:
 // [num_seqs] int32, each sequence's length including its new tokens, which are its last ones
-// (0: a padding row, whose output is zeros). Returns out: [num_tokens, num_heads, head_dim].
+// (0: a padding row, whose output is zeros). batch_invariant: each token's output bitwise the same
+// whatever else the call holds (decode or prefill, any batch). Returns out: [num_tokens, num_heads, head_dim].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
-                           const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& context_lens, double scale, bool batch_invariant) {
   check_caches(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q must be 3-d, in the caches' dtype");
   TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
@@ -333,7 +337,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables has ", block_tables.size(0), " rows for ",
               num_seqs, " sequences");
   Shape s{q.size(1), q.size(2), k_cache.size(3), k_cache.size(1), q.size(1) / k_cache.size(1),
-          block_tables.size(1), k_cache.size(0), q.stride(0), q.stride(1)};
+          block_tables.size(1), k_cache.size(0), q.stride(0), q.stride(1), batch_invariant};
 
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < num_seqs; ++i)
@@ -419,7 +423,7 @@ void set_attention_min_work(int64_t work) { min_parallel_work.store(std::max<int
 TORCH_LIBRARY(pagoda, m) {
   m.def("set_attention_min_work(int work) -> ()", &set_attention_min_work);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor? query_start_loc, Tensor context_lens, float scale) -> Tensor");
+        "Tensor? query_start_loc, Tensor context_lens, float scale, bool batch_invariant=False) -> Tensor");
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 

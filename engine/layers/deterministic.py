@@ -1,0 +1,193 @@
+"""Deterministic mode (`EngineConfig.deterministic`): a request's tokens and logprobs bitwise the same
+whatever batch it shares steps with, whether its prompt ran in one prefill or in chunks, came from the
+prefix cache or was recomputed after a preemption. Everything that reduces over a row must then compute
+a row the same way however many rows the call holds (benchmarks/deterministic.py --ops measures which
+do not by default):
+
+- Linear layers: MKL's float32 GEMM (torch's default on CPU) sums a row in another order for 1-3 rows,
+  and for 5-11 rows split over two threads. oneDNN's inner product over a weight packed once does not
+  (measured, float32 and bfloat16, 1 to 1000 rows), and is faster than MKL on AMD CPUs from 2 rows up.
+  Rows go in calls of a few fixed sizes (BUCKETS, so that oneDNN builds a handful of kernels per shape),
+  and at load every size is checked on random rows against the largest: a machine where one differs
+  gets fixed calls of FIXED_TILE rows for that shape instead (slower, invariant by construction).
+- Attention: pagoda's C++ op with every token in a tile of its own (batch_invariant) and never torch's
+  flash attention for long prompts, so a token's attention is the decode path's wherever it runs.
+- Norms and SiLU: pagoda's fused C++ ops in every dtype (one row at a time, the same loop for each row);
+  torch's SiLU computes a tensor's last few elements in scalar code, which rounds otherwise.
+- Top logprobs: always the 20 most likely (the model runner): torch's topk orders tied values by
+  another algorithm for another k, and k was the largest any row of the step asked for.
+- Tensor parallelism: row-parallel outputs gathered and summed in rank order.
+Softmax, log-softmax, argmax, layer norm, rotary, the sampler's element-wise ops and the seeded
+exponential race already compute each row on its own. CPU only: the Triton kernels split work by size.
+"""
+import bisect
+import logging
+
+import torch
+
+log = logging.getLogger("pagoda.engine")
+
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # rows per oneDNN call
+FIXED_TILE = 16
+# calls of at most this many rows run on one thread: oneDNN splits even one row over the threads, which
+# costs more than it saves, and on a busy machine a descheduled thread holds the call at the barrier
+# (measured: 2-100x slower for a decode step's one row with other processes on the cores; MKL keeps it on one)
+ONE_THREAD_ROWS = 8
+ALIGN = 64  # bytes; rows handed to oneDNN start on a cache line
+# activations whose every element is computed by the same code (the fused C++ SiLU; GPT-2's tanh GELU is
+# built from element-wise ops whose vector and scalar code agree, MKL's tanh included), by architecture
+ACTIVATIONS = {"GPT2LMHeadModel": ("activation_function", "gelu_new")}
+DEFAULT_ACTIVATION = ("hidden_act", "silu")
+
+
+def check(config, device: torch.device, hf_config=None, architecture: str | None = None) -> None:
+    """ValueError naming the option, where deterministic mode cannot hold its promise."""
+    if not config.deterministic:
+        return
+    why = None
+    if device.type != "cpu":
+        why = (f"it runs on CPU only (on {device.type} the Triton kernels split their work by batch size); "
+               f"use device=cpu or leave deterministic off")
+    elif config.quantization is not None:
+        why = f"quantization {config.quantization!r} has no batch-invariant kernel yet; leave quantization off"
+    elif config.dtype == "float16":
+        why = "float16 has no batch-invariant linear kernel on CPU; use dtype float32 or bfloat16"
+    elif config.attention_backend not in ("auto", "cpu"):
+        why = f"it needs attention_backend cpu (pagoda's C++ op), not {config.attention_backend!r}"
+    elif hf_config is not None:
+        field, supported = ACTIVATIONS.get(architecture, DEFAULT_ACTIVATION)
+        if getattr(hf_config, field, None) != supported:
+            why = (f"the model's activation {getattr(hf_config, field, None)!r} has no batch-invariant kernel "
+                   f"(supported: {supported})")
+    if why:
+        raise ValueError(f"deterministic mode: {why}")
+
+
+class BatchInvariantLinear:
+    """x @ W^T (+ b) through oneDNN over W packed once, in calls of `buckets` rows (the last zero-padded)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, buckets=BUCKETS):
+        try:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        except RuntimeError as e:  # bfloat16 on a CPU without AVX-512 (torch: "bf16 path needs ...")
+            raise ValueError(f"deterministic mode: oneDNN cannot run {str(weight.dtype).removeprefix('torch.')} "
+                             f"linear layers on this CPU ({str(e).splitlines()[0]}); use dtype float32") from None
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.op = torch.ops.mkldnn._linear_pointwise.default
+        self.buckets = buckets
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self._buckets
+
+    @buckets.setter
+    def buckets(self, sizes) -> None:
+        self._buckets, self.top = tuple(sizes), max(sizes)
+        self.size_of = [sizes[bisect.bisect_left(sizes, m)] for m in range(self.top + 1)]  # rows -> call size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        if x.dim() == 2 and x.shape[0] <= self.top:  # a step's usual call: no reshaping, no joining
+            return self._call(x)
+        lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        parts = [self._call(x[a:a + self.top]) for a in range(0, x.shape[0], self.top)]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y.view(*lead, y.shape[-1])
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        size = self.size_of[m]
+        if size != m or not x.is_contiguous() or x.data_ptr() % ALIGN:
+            padded = x.new_empty(size, x.shape[1])
+            padded[:m] = x
+            padded[m:] = 0
+            x = padded
+        if size > ONE_THREAD_ROWS:
+            y = self.op(x, self.weight, self.bias, "none", [], "")
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                y = self.op(x, self.weight, self.bias, "none", [], "")
+            finally:
+                torch.set_num_threads(threads)
+        return y if size == m else y[:m]
+
+
+def rows_agree(f, in_features: int, dtype: torch.dtype, sizes) -> bool:
+    """Whether f computes each of random rows bitwise alike in calls of every size in `sizes`, and
+    wherever the row sits in the call (checked against the largest size)."""
+    g = torch.Generator().manual_seed(0)
+    top = max(sizes)
+    x = torch.randn(top + 1, in_features, generator=g).to(dtype)
+    ref = f(x[:top])
+    return all(torch.equal(f(x[top - m:top]), ref[top - m:]) and torch.equal(f(x[1:m + 1])[:m - 1], ref[1:m])
+               for m in sizes)
+
+
+def _buckets_for(weight, bias, dtype, checked: dict) -> tuple[int, ...]:
+    key = (tuple(weight.shape), bias is not None, dtype)
+    if key not in checked:
+        probe = BatchInvariantLinear(weight, bias)
+        if rows_agree(probe, weight.shape[1], dtype, BUCKETS):
+            checked[key] = BUCKETS
+        else:
+            log.warning("deterministic mode: oneDNN computes a %s x %s layer's rows differently in calls of "
+                        "different sizes on this machine; %d-row calls for it (slower)", *weight.shape[::-1],
+                        FIXED_TILE)
+            probe.buckets = (FIXED_TILE,)
+            if not rows_agree(probe, weight.shape[1], dtype, (FIXED_TILE,)):
+                raise RuntimeError(f"deterministic mode: oneDNN's {weight.shape[1]} x {weight.shape[0]} product "
+                                   f"depends on a row's place in a call on this machine; leave deterministic off")
+            checked[key] = (FIXED_TILE,)
+    return checked[key]
+
+
+def prepare_model_(model: torch.nn.Module, dtype: torch.dtype, fused_ops) -> None:
+    """Every linear layer through BatchInvariantLinear (its float weight dropped unless an embedding shares
+    it), row-parallel sums in rank order, the fused norms and SiLU in every dtype (the model runner binds
+    them for float32; torch's rotary in other dtypes is products and sums, alike for every row)."""
+    from pagoda.engine import parallel
+    from pagoda.engine.layers.rotary import RotaryEmbedding
+    for m in model.modules():
+        if hasattr(type(m), "fused_ops") and not isinstance(m, RotaryEmbedding):
+            m.fused_ops = fused_ops
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    checked: dict = {}
+    for m in model.modules():
+        if isinstance(m, parallel.Linear):
+            with torch.no_grad():
+                buckets = _buckets_for(m.weight, m.bias, dtype, checked)
+                m.batch_invariant = BatchInvariantLinear(m.weight, m.bias, buckets)
+            if id(m.weight) not in embedded:
+                m.weight = None
+        if isinstance(m, parallel.RowParallelLinear):
+            m.reduce = parallel.all_reduce_in_rank_order
+
+
+class BatchInvariantAttention:
+    """pagoda's C++ op (engine/layers/cpu_attention.py), each token computed as a decode token is."""
+    __name__ = "cpu_attention (batch-invariant)"
+
+    def __init__(self, backend):
+        self.fused_ops, self.cache_views, self.write_kv_cache = backend.fused_ops, backend.cache_views, \
+            backend.write_kv_cache
+        self.op = backend.ops().paged_attention
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+        # q: [num_seqs, num_heads, head_dim] -> same shape
+        return self.op(q, k_cache, v_cache, block_tables, None, context_lens, scale, True)
+
+    def prefill_attention(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                          max_query_len):
+        # q: [num_tokens, num_heads, head_dim] flat over sequences -> same shape
+        return self.op(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, True)
+
+
+def attention_backend(backend):
+    """The deterministic form of the runner's attention backend; ValueError where there is none."""
+    from pagoda.engine.layers import cpu_attention
+    if backend is not cpu_attention:
+        ok, why = cpu_attention.is_available(torch.device("cpu"))
+        raise ValueError(f"deterministic mode needs pagoda's C++ attention op ({why if not ok else 'not selected'})")
+    return BatchInvariantAttention(backend)
