@@ -144,7 +144,7 @@ def column_parallel(in_features: int, out_features: int, bias: bool, pieces=None
 
 class RowParallelLinear(Linear):
     """Input features split; the partial outputs are summed over the group (bias on rank 0 only)."""
-    reduce = staticmethod(all_reduce)  # deterministic mode: all_reduce_in_rank_order
+    reduce = None  # deterministic mode: all_reduce_in_rank_order; None: all_reduce (looked up per call)
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         g = group()
@@ -154,7 +154,7 @@ class RowParallelLinear(Linear):
         self.tp = g
 
     def forward(self, x):
-        return self.reduce(super().forward(x), self.tp)
+        return (self.reduce or all_reduce)(super().forward(x), self.tp)
 
 
 def _vocab_share(vocab_size: int) -> tuple[int, int, int]:
