@@ -244,10 +244,15 @@ class EngineCore:
 
     def _propose(self, sched: SchedulerOutput) -> None:
         """Speculative decoding: proposed tokens join the decoding sequences' queries."""
-        proposals = self.speculator.propose(sched) if self.speculator is not None else None
-        if proposals is not None:
-            self.scheduler.add_proposals(sched, proposals)
-            self.speculator.fill(sched)
+        if self.speculator is None:
+            return
+        try:
+            proposals = self.speculator.propose(sched)
+            if proposals is not None:
+                self.scheduler.add_proposals(sched, proposals)
+                self.speculator.fill(sched)
+        except Exception:  # a draft model's run failed: proposals are only guesses, the step goes on
+            log.exception("speculative proposals failed; this step verifies what it has")
 
     def _admit_compiled(self) -> list[Sequence]:
         """Sequences whose grammar is built join the scheduler; those whose grammar failed finish."""
