@@ -498,6 +498,12 @@ def test_greedy_with_a_draft_matches_transformers_and_no_speculation(checkpoint,
     llm, outs = _generate(path, prompts, greedy, spec=_draft_spec(path), num_kv_blocks=128)
     assert [o.token_ids for o in outs] == expected
     _all_accepted(llm)
+    # a mixed batch: penalties keep one sequence from speculating (the draft still sees its tokens)
+    mixed = [greedy] * (len(prompts) - 1) + [SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.5)]
+    plain = LLM(path, num_kv_blocks=128).generate(prompts, mixed)
+    llm, outs = _generate(path, prompts, mixed, spec=_draft_spec(path), num_kv_blocks=128)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    _all_accepted(llm)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
