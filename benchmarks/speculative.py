@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram prompt lookup) against none, on a model trained here
+"""Speculative decoding (n-gram prompt lookup, a draft model) against none, on a model trained here
 (benchmarks/trained_model.py: random weights would make acceptance meaningless). Runs alternate
 (off, on, off, on, ...) so that a busy machine slows both alike; greedy, so both give the same
 tokens (checked).
@@ -8,9 +8,11 @@ first, taken from the end of the sorted list):
   edit      the prompt is a piece of code, then a comment asking for it again, then its first
             line: the answer copies the code (small changes where the model makes them), where
             prompt lookup shines;
-  continue  free continuation of a piece of code, where it has little to look up.
+  continue  free continuation of a piece of code, where it has little to look up (and a draft
+            trained like the target should predict it).
 
     python benchmarks/speculative.py --streams 1 16 64 --repeats 3
+    python benchmarks/speculative.py --methods draft --workloads continue --streams 1
 """
 import argparse
 import glob
@@ -69,6 +71,8 @@ def main(argv=None) -> int:
                                    "what failed speculation costs, not what it saves)")
     p.add_argument("--model-config", choices=sorted(common.MODEL_CONFIGS),
                    help="random weights of this shape (benchmarks/common.py) instead of the trained model")
+    p.add_argument("--draft", help="the draft checkpoint for --methods draft (default: the trained draft)")
+    p.add_argument("--methods", nargs="+", default=["ngram"], choices=["ngram", "draft"])
     p.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--workloads", nargs="+", default=["edit", "continue"], choices=["edit", "continue"])
     p.add_argument("--new-tokens", type=int, default=128)
@@ -89,9 +93,17 @@ def main(argv=None) -> int:
     else:
         path = trained_model.build(args.train_steps)["target"]
         what = f"trained target ({args.train_steps} steps, benchmarks/trained_model.py)"
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3}
+    draft = args.draft
+    if "draft" in args.methods and draft is None:
+        if args.model or args.model_config:
+            sys.exit("--methods draft with --model or --model-config needs --draft PATH")
+        draft = trained_model.build(args.train_steps)["draft"]
+        what += ", its trained draft"
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3},
+             "draft": {"model": draft, "num_speculative_tokens": args.k}}
     kw = dict(dtype=args.dtype, device=args.device, enable_prefix_caching=False, num_kv_blocks=4096)
-    engines = {"off": LLM(path, **kw), "ngram": LLM(path, speculative_config=spec, **kw)}
+    engines = {"off": LLM(path, **kw)}
+    engines.update((m, LLM(path, speculative_config=specs[m], **kw)) for m in args.methods)
     tokenizer = engines["off"].tokenizer
     rows = []
     for workload in args.workloads:
@@ -99,7 +111,7 @@ def main(argv=None) -> int:
         for streams in args.streams:
             batch = (pool * streams)[:streams]
             rates = {name: [] for name in engines}
-            accepted = []
+            accepted = {m: [] for m in args.methods}
             for name, llm in engines.items():  # warm-up
                 run(llm, batch[:1], 8)
             for _ in range(args.repeats):
@@ -111,21 +123,23 @@ def main(argv=None) -> int:
                     rates[name].append(rate)
                     if s:
                         n = s.num_verifications - before[1]
-                        accepted.append(1 + (s.num_accepted - before[0]) / n if n else 1.0)
-                if outputs["off"] != outputs["ngram"]:
+                        accepted[name].append(1 + (s.num_accepted - before[0]) / n if n else 1.0)
+                if any(outputs["off"] != outputs[m] for m in args.methods):
                     sys.exit("greedy outputs differ with speculation: a bug")
-            off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
-            rows.append([workload, streams, f"{off:.0f}", f"{on:.0f}", f"{on / off:.2f}x",
-                         f"{statistics.mean(accepted):.2f}"])
-            print(rows[-1], flush=True)
-    table = common.markdown_table(["workload", "streams", "off tok/s", "ngram tok/s", "ngram / off",
+            off = statistics.median(rates["off"])
+            for m in args.methods:
+                on = statistics.median(rates[m])
+                rows.append([workload, streams, m, f"{off:.0f}", f"{on:.0f}", f"{on / off:.2f}x",
+                             f"{statistics.mean(accepted[m]):.2f}"])
+                print(rows[-1], flush=True)
+    table = common.markdown_table(["workload", "streams", "method", "off tok/s", "spec tok/s", "spec / off",
                                    "mean accepted length"], rows)
     print(table)
     if not args.no_results:
         common.append_results(
-            args.results, "speculative decoding (n-gram) vs none",
+            args.results, f"speculative decoding ({', '.join(args.methods)}) vs none",
             f"Model: {what}; greedy, {args.new_tokens} new "
-            f"tokens per stream, k={args.k}, prompt_lookup_max 3, default switch-off (disable_by_batch_size 8, "
+            f"tokens per stream, k={args.k}, prompt_lookup_max 3 (ngram), default switch-off (disable_by_batch_size 8, "
             f"min_acceptance_rate 0.2); medians of {args.repeats} alternating runs; outputs identical with and "
             f"without. Mean accepted length: tokens per verifying step (accepted + 1). {args.note}\n\n{table}\n")
     return 0

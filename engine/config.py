@@ -10,7 +10,7 @@ CPU_KV_CACHE_GB = 1.0
 # Tokens per step by default. On CPU a step of many thousand tokens spills its activations out of
 # the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model).
 MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
-SPECULATIVE_METHODS = ("ngram",)  # proposers (engine/speculative.py)
+SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/speculative.py)
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,19 @@ class SpeculativeConfig:
     disable_by_batch_size: int = 8
     # ... nor, for a sequence, while its recent acceptance rate (a moving average) is below this
     min_acceptance_rate: float = 0.2
+    # draft: a smaller checkpoint with the target's tokenizer (local directory or hub id, as for model);
+    # given alone it means method "draft", as in vLLM's {"model": PATH, "num_speculative_tokens": k}
+    model: str | None = None
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}; got "
-                             f"{self.method!r} (draft-model speculation is not supported yet)")
+                             f"{self.method!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("speculative_config: a draft model needs both \"method\": \"draft\" (or no method) and "
+                             "\"model\": a checkpoint directory; n-gram lookup takes no model")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config: model must be a checkpoint directory or hub id, got {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {getattr(self, name)!r}")
@@ -53,9 +61,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        if "model" in value:
-            raise ValueError("speculative_config: draft-model speculation (\"model\") is not supported yet; "
-                             "use {\"method\": \"ngram\"}")
+        if "model" in value and "method" not in value:
+            value = {**value, "method": "draft"}
         unknown = set(value) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}; known: "
@@ -127,6 +134,9 @@ class EngineConfig:
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.speculative_config.model and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: a draft model is not supported with tensor_parallel_size > 1 "
+                             "(use {\"method\": \"ngram\"}, or one rank)")
 
 
 def _is_int(x) -> bool:

@@ -57,7 +57,23 @@ class EngineCore:
         deterministic.check(config, device_of(config.device), self.hf_config, self.architecture)
         if config.tensor_parallel_size > 1:
             parallel.check_splits(self.hf_config, config.tensor_parallel_size)
+        self.draft_path = self._check_draft(config)
         _log_phase("config and tokenizer", t0, path)
+        return path
+
+    def _check_draft(self, config: EngineConfig) -> str | None:
+        """A draft model's checkpoint (speculative decoding), if it has the target's tokenizer."""
+        spec = config.speculative_config
+        if spec is None or spec.model is None:
+            return None
+        try:
+            path = resolve_model_path(spec.model)
+            hf_config, tokenizer = load_hf_config(path), load_tokenizer(path)
+        except ValueError as e:
+            raise ValueError(f"speculative_config: draft {e}") from None
+        if tokenizer.get_vocab() != self.tokenizer.get_vocab() or hf_config.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} has another tokenizer than the "
+                             f"target's (a draft must share the target's vocabulary)")
         return path
 
     def _start_workers(self, config: EngineConfig, path: str) -> None:
@@ -72,6 +88,9 @@ class EngineCore:
         self.runner = ModelRunner(dataclasses.replace(config, model=path), 0, group, workers=self.workers,
                                   structured=self.structured)
         self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.draft_runner = None  # speculative decoding's draft model: a runner of its own, one rank
+        if self.draft_path is not None:
+            self.draft_runner = ModelRunner(dataclasses.replace(config, model=self.draft_path))
         _log_phase("weights", t0, f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters, "
                                   f"{str(self.dtype).removeprefix('torch.')}, {self.device.type}")
 
@@ -88,12 +107,14 @@ class EngineCore:
         """Fill in what the checkpoint, the device and the memory budget decide."""
         if config.max_num_batched_tokens is None:
             config = dataclasses.replace(config, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS[self.device.type])
-        per_block = self.runner.kv_bytes_per_block(config.block_size)
+        per_block = sum(r.kv_bytes_per_block(config.block_size) for r in (self.runner, self.draft_runner) if r)
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(config, per_block)
         if num_blocks < 1:
             raise ValueError("the KV memory budget holds no block; raise kv_cache_memory_gb or set num_kv_blocks")
         capacity = num_blocks * config.block_size
         model_len = _checkpoint_context(self.hf_config)
+        if self.draft_runner is not None:
+            model_len = min(model_len, _checkpoint_context(load_hf_config(self.draft_path)))
         if config.max_model_len is not None:
             if config.max_model_len > model_len:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the checkpoint's {model_len}")
@@ -127,6 +148,8 @@ class EngineCore:
         self.runner.init_cache(self.config)  # first: this rank's errors are the ones to raise
         if self.workers is not None:
             self.workers.call("init_cache", self.config)
+        if self.draft_runner is not None:  # the same blocks: the target's block tables serve both
+            self.draft_runner.init_cache(dataclasses.replace(self.config, model=self.draft_path))
         kv = self.runner.kv_cache
         _log_phase("KV cache", t0, f"{self.config.num_kv_blocks} blocks of {self.config.block_size} tokens, "
                                    f"{kv.numel() * kv.element_size() / 2**30:.2f} GiB, "
@@ -148,7 +171,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.structured, c.max_queue_wait_s)
         spec = c.speculative_config
-        self.speculator = Speculator(spec, c.max_model_len) if spec is not None else None
+        self.speculator = Speculator(spec, c.max_model_len, self.draft_runner) if spec is not None else None
 
     # ---- requests ----
 
@@ -221,9 +244,15 @@ class EngineCore:
 
     def _propose(self, sched: SchedulerOutput) -> None:
         """Speculative decoding: proposed tokens join the decoding sequences' queries."""
-        proposals = self.speculator.propose(sched) if self.speculator is not None else None
-        if proposals is not None:
-            self.scheduler.add_proposals(sched, proposals)
+        if self.speculator is None:
+            return
+        try:
+            proposals = self.speculator.propose(sched)
+            if proposals is not None:
+                self.scheduler.add_proposals(sched, proposals)
+                self.speculator.fill(sched)
+        except Exception:  # a draft model's run failed: proposals are only guesses, the step goes on
+            log.exception("speculative proposals failed; this step verifies what it has")
 
     def _admit_compiled(self) -> list[Sequence]:
         """Sequences whose grammar is built join the scheduler; those whose grammar failed finish."""

@@ -209,6 +209,27 @@ class ModelRunner:
             lps = [None if flat[b - 1] is None else flat[b - n:b] for n, b in zip(num_rows, ends)]
         return StepResult(lists, lps, prompt_lps)
 
+    @torch.inference_mode()
+    def draft_catch_up(self, sched: SchedulerOutput, rows: np.ndarray) -> torch.Tensor | None:
+        """A draft model (engine/speculative.py): the forward over the step's tokens (writing its KV at
+        the target's slots); the argmax after each of the given query rows, on the device (None: none)."""
+        input_ids, positions, meta, _ = self._prepare_inputs(sched)
+        hidden = self._forward(input_ids, positions, meta, [])
+        if not len(rows):
+            return None
+        return self.sampler.argmax(self._logits(hidden, self._to_device(rows, torch.int64)).float())
+
+    @torch.inference_mode()
+    def draft_decode(self, input_ids: torch.Tensor, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """A draft model: one decode row per sequence (input_ids [n] on the device, their positions,
+        block tables [n, widest]); the argmax after each, on the device."""
+        bs, n = self.block_size, len(positions)
+        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        meta = self._attention_metadata(slots, tables, np.ones(n, dtype=np.int64), positions + 1, n)
+        meta.decode_groups = ()  # rows are not sorted by context length here
+        hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta, [])
+        return self.sampler.argmax(self._logits(hidden).float())  # [n]
+
     def _scored_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int,
                          rows: int = SCORED_ROWS) -> list[TokenLogprob]:
         """The logprob of each target token after each hidden row (with the top k), a few rows at a time
@@ -403,8 +424,12 @@ def _gather(sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         if sched.spec_tokens:
             ids += sched.spec_tokens[i]  # proposals follow the last token (speculative decoding)
         tables.append(s.block_table)
-    tables = np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
-    return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), tables
+    return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), block_tables(tables)
+
+
+def block_tables(tables) -> np.ndarray:
+    """Block tables [num_seqs, widest], padded with -1."""
+    return np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
 
 
 def _sample_rows(num_query: np.ndarray, num_sampled: np.ndarray) -> np.ndarray:

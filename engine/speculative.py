@@ -15,8 +15,9 @@ as p without x), and the first rejected position's token is t itself. So every q
 as usual (greedy rows: the argmax) and a sequence keeps its proposals up to the first that differs
 from the row's token, plus that token (or, all accepted, the last row's). With the draws of a
 seeded row keyed by its position (ModelRunner._generators), a seeded request gives the same text
-with speculation as without, whatever the batch. (A draft model's proposals, not point masses,
-would need the general rule: accept with min(1, p(x) / q(x)), else draw from max(0, p - q).)
+with speculation as without, whatever the batch. A greedy draft model's proposal is a point mass
+too: a deterministic function of the context (its argmax), so the same rule is exact for it. (A
+sampled draft would need the general rule: accept with min(1, p(x) / q(x)), else draw from max(0, p - q).)
 """
 from dataclasses import dataclass
 
@@ -58,12 +59,62 @@ class NgramProposer:
         return []
 
 
+class DraftProposer:
+    """A smaller model's greedy proposals. The draft is a ModelRunner of its own whose KV cache mirrors
+    the target's block for block (as many blocks of the same size; its own layers and heads), so the
+    target's block tables and slots serve it: no second allocator, and the target's rollback frees the
+    draft's slots too. The draft has KV wherever the target has (prefix-cache hits and recomputes after
+    a preemption then hold for both): each step it first runs over the step's own tokens (catch_up,
+    prefill chunks included), then, once add_proposals has given the proposals slots, decodes for the
+    speculating sequences (fill), feeding each proposal in turn (the last one only for its KV, which
+    the target computes too when it verifies it)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.first: torch.Tensor | None = None  # [n] the draft's next token per sequence with room (device)
+        self.rows: dict[int, int] = {}  # seq_id -> its row in first
+
+    def catch_up(self, sched, rooms: list[int]) -> list[list[int]] | None:
+        """The draft over the step's tokens, and its next token for each sequence with room; placeholders
+        of each sequence's room (fill puts the tokens in), None when none has room."""
+        if sched.is_empty:
+            return None
+        ends = np.cumsum(sched.num_new_tokens)
+        speculating = [i for i, room in enumerate(rooms) if room]
+        self.rows = {sched.seqs[i].seq_id: r for r, i in enumerate(speculating)}
+        self.first = self.runner.draft_catch_up(sched, ends[speculating] - 1)
+        return [[0] * room for room in rooms] if speculating else None
+
+    def fill(self, sched) -> None:
+        """The speculating sequences' proposals (as many as add_proposals gave slots): greedy draft steps."""
+        from pagoda.engine.model_runner import block_tables
+
+        order = sorted((i for i, spec in enumerate(sched.spec_tokens) if spec), key=lambda i: -len(sched.spec_tokens[i]))
+        if not order:
+            return
+        seqs = [sched.seqs[i] for i in order]
+        lens = np.array([len(sched.spec_tokens[i]) for i in order])  # longest first: step j's rows are a prefix
+        tables = block_tables([s.block_table for s in seqs])
+        starts = np.array([s.num_tokens for s in seqs], dtype=np.int64)  # the first proposal's position
+        rows = torch.tensor([self.rows[s.seq_id] for s in seqs], device=self.first.device)
+        steps = [self.first[rows]]  # steps[j]: [rows fed at step j] proposal j + 1
+        for j in range(int(lens[0])):  # feed proposal j + 1 of the sequences that have one
+            m = int((lens > j).sum())
+            steps.append(self.runner.draft_decode(steps[j][:m], starts[:m] + j, tables[:m]))
+        table = torch.full((len(seqs), len(steps) - 1), -1, dtype=torch.int64, device=self.first.device)
+        for j, t in enumerate(steps[:-1]):
+            table[:len(t), j] = t
+        for i, row, n in zip(order, table.tolist(), lens):  # the one host-device sync
+            sched.spec_tokens[i] = row[:n]
+
+
 class Speculator:
     """The proposals of a step, under the switch-off rules, and the counts of what was accepted."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft_runner=None):
         self.config, self.max_model_len = config, max_model_len
-        self.proposer = NgramProposer(config)
+        self.proposer = NgramProposer(config) if draft_runner is None else None
+        self.draft = DraftProposer(draft_runner) if draft_runner is not None else None
         self.num_proposed = 0  # proposed tokens verified
         self.num_accepted = 0  # of those, accepted
         self.num_verifications = 0  # sequence-steps that verified proposals
@@ -78,15 +129,22 @@ class Speculator:
         step does not speculate. Switch-off: a step running more than disable_by_batch_size sequences
         (its verification would cost more than it saves), and a sequence whose recent acceptance
         rate fell below min_acceptance_rate (for PAUSE_STEPS steps)."""
-        if len(sched.seqs) > self.config.disable_by_batch_size:
+        rooms = [0] * len(sched.seqs)
+        if len(sched.seqs) <= self.config.disable_by_batch_size:
+            for i, (seq, n, k) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.num_sampled)):
+                if n == 1 and k == 1:  # the sequence's last token only: its next token is sampled now
+                    rooms[i] = self._room(seq)
+        if self.draft is not None:  # it sees every step's tokens, speculating or not
+            return self.draft.catch_up(sched, rooms)
+        if not any(rooms):
             return None
-        out = [[] for _ in sched.seqs]
-        for i, (seq, n, k) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.num_sampled)):
-            if n == 1 and k == 1:  # the sequence's last token only: its next token is sampled now
-                room = self._room(seq)
-                if room:
-                    out[i] = self.proposer.propose(seq.token_ids, room)
+        out = [self.proposer.propose(seq.token_ids, room) if room else [] for seq, room in zip(sched.seqs, rooms)]
         return out if any(out) else None
+
+    def fill(self, sched) -> None:
+        """After add_proposals: a draft model's tokens into the proposals' slots (n-gram's are in)."""
+        if self.draft is not None:
+            self.draft.fill(sched)
 
     def _room(self, seq) -> int:
         """How many tokens seq may have proposed: 0 where its next token's distribution depends on the

@@ -112,7 +112,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--tensor-parallel-size", "TENSOR_PARALLEL_SIZE", "split the model over this many ranks (processes; one "
         "GPU each on CUDA), which must divide its attention heads (default: 1)", type=int, default=1)
     opt("--speculative-config", "SPECULATIVE_CONFIG", "speculative decoding, as JSON in vLLM's terms, e.g. "
-        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: off)",
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', or a draft model "
+        "with the same tokenizer: '{\"model\": \"PATH\", \"num_speculative_tokens\": 4}' (default: off)",
         type=_speculative_config, metavar="JSON")
     opt("--deterministic", "DETERMINISTIC", "bitwise the same tokens and logprobs for a request whatever else "
         "the server is doing (CPU; see the README's Reproducibility; default: off)", default="off", nargs="?",

@@ -294,7 +294,9 @@ def test_ngram_proposer_proposes_what_followed_the_longest_suffix():
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"min_acceptance_rate": 2}, "min_acceptance_rate"),
     ({"k": 4}, "unknown key"),
-    ({"model": "/some/draft"}, "draft-model speculation"),
+    ({"method": "draft"}, "a draft model needs both"),
+    ({"method": "ngram", "model": "/some/draft"}, "a draft model needs both"),
+    ({"model": ""}, "model must be a checkpoint directory"),
     ("{not json", "not valid JSON"),
     ("[4]", "must be a JSON object"),
 ])
@@ -302,6 +304,11 @@ def test_bad_speculative_config_refused_naming_the_option(value, message):
     with pytest.raises(ValueError, match=message) as e:
         EngineConfig(speculative_config=value)
     assert "speculative_config" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_draft_with_tensor_parallelism_refused():
+    with pytest.raises(ValueError, match="speculative_config: a draft model is not supported with tensor_parallel"):
+        EngineConfig(speculative_config={"model": "/some/draft"}, tensor_parallel_size=2)
 
 
 def test_speculative_config_as_json_on_the_command_line_and_in_the_environment(capsys, monkeypatch):
@@ -450,3 +457,91 @@ def test_rollback_gives_back_rejected_slots_and_caches_only_verified_tokens():
     assert cached == {(1, 2, 3, 4), (5, 6, 7, 99)}  # verified tokens only
     sched.finish(seq, FinishReason.ABORT)
     assert bm.num_free_blocks == 8
+
+
+# ---- draft model ----
+
+def _draft_spec(path: str, **more) -> dict:
+    return {"model": path, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0, **more}
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """draft(family) -> a smaller random checkpoint of the family, with the same tokenizer (one layer,
+    two heads, other weights)."""
+    built = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            path = str(tmp_path_factory.mktemp(f"draft-{family}"))
+            built[family] = build_tiny_checkpoint(path, **FAMILIES[family], seed=1, num_hidden_layers=1,
+                                                  num_attention_heads=2, num_key_value_heads=1)
+        return built[family]
+    return get
+
+
+def _all_accepted(llm) -> None:
+    s = llm.engine.speculator
+    assert 0 < s.num_accepted == s.num_proposed, (s.num_proposed, s.num_accepted)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_with_a_draft_matches_transformers_and_no_speculation(checkpoint, draft, family):
+    path, prompts = checkpoint(family), _prompts(256)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    expected = _reference(path, prompts, max_new=30)
+    assert [o.token_ids for o in LLM(path, num_kv_blocks=128).generate(prompts, greedy)] == expected
+    llm, outs = _generate(path, prompts, greedy, spec=_draft_spec(draft(family)), num_kv_blocks=128)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.draft_runner.model is not llm.engine.model
+    # a draft identical to the target proposes what the target chooses: every proposal accepted
+    llm, outs = _generate(path, prompts, greedy, spec=_draft_spec(path), num_kv_blocks=128)
+    assert [o.token_ids for o in outs] == expected
+    _all_accepted(llm)
+    # a mixed batch: penalties keep one sequence from speculating (the draft still sees its tokens)
+    mixed = [greedy] * (len(prompts) - 1) + [SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.5)]
+    plain = LLM(path, num_kv_blocks=128).generate(prompts, mixed)
+    llm, outs = _generate(path, prompts, mixed, spec=_draft_spec(path), num_kv_blocks=128)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    _all_accepted(llm)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_greedy_with_a_draft_with_prefix_caching_chunked_prefill_and_preemption(checkpoint, draft, backend):
+    # the draft's KV cache mirrors the target's blocks: prefix-cache hits, prompts computed in chunks and
+    # recomputed after a preemption are complete in it too, so an identical draft still accepts everything
+    path = checkpoint("llama")
+    shared = list(range(40, 72))  # two blocks every prompt shares (prefix cache hits)
+    prompts = [shared + p for p in _prompts(256, seed=1)] * 2
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    options = dict(num_kv_blocks=12, block_size=16, max_num_batched_tokens=24, max_model_len=128,
+                   attention_backend=backend)
+    expected = _reference(path, prompts[:5], max_new=32) * 2
+    for d in (draft("llama"), path):
+        llm, outs = _generate(path, prompts, params, spec=_draft_spec(d, disable_by_batch_size=64), **options)
+        assert [o.token_ids for o in outs] == expected
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.scheduler.num_prompt_tokens_cached > 0
+    _all_accepted(llm)
+
+
+def test_seeded_request_reproducible_with_a_draft(sampling_model, draft):
+    prompt = _prompts(256)[0]
+    params = SamplingParams(temperature=0.8, top_k=4, max_tokens=30, seed=11, ignore_eos=True, n=2)
+    plain = LLM(sampling_model, num_kv_blocks=64).generate([prompt], params)[0]
+    expected = [c.token_ids for c in plain.outputs]
+    for d in (sampling_model, draft("llama")):  # the target's argmax (sampled rows reject some), another model's
+        llm, outs = _generate(sampling_model, [prompt, _prompts(256)[1]], params, spec=_draft_spec(d),
+                              num_kv_blocks=64)
+        assert [c.token_ids for c in outs[0].outputs] == expected
+        if d == sampling_model:
+            _accepted_and_rejected(llm)
+
+
+def test_bad_draft_refused_at_start_in_one_line(checkpoint, tmp_path):
+    other = build_tiny_checkpoint(str(tmp_path / "sp"), "llama", tokenizer=build_sentencepiece_tokenizer(str(tmp_path / "sp")))
+    for d, message in ((other, "has another tokenizer than the target's"),
+                       (str(tmp_path / "missing"), "draft model .* no such directory")):
+        with pytest.raises(ValueError, match=message) as e:
+            LLM(checkpoint("llama"), num_kv_blocks=16, speculative_config=_draft_spec(d))
+        assert str(e.value).startswith("speculative_config: ") and "\n" not in str(e.value)
