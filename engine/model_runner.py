@@ -210,21 +210,25 @@ class ModelRunner:
         return StepResult(lists, lps, prompt_lps)
 
     @torch.inference_mode()
-    def draft_catch_up(self, sched: SchedulerOutput, rows: np.ndarray) -> torch.Tensor | None:
-        """A draft model (engine/speculative.py): the forward over the step's tokens (writing its KV at
-        the target's slots); the argmax after each of the given query rows, on the device (None: none)."""
-        input_ids, positions, meta, _ = self._prepare_inputs(sched)
-        hidden = self._forward(input_ids, positions, meta, [])
-        if not len(rows):
-            return None
-        return self.sampler.argmax(self._logits(hidden, self._to_device(rows, torch.int64)).float())
+    def draft_catch_up(self, input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                       tables: np.ndarray) -> torch.Tensor:
+        """A draft model (engine/speculative.py): each sequence's query over positions [start, start +
+        count) (single-token queries first; input_ids flat, block tables [n, widest]), its KV written at
+        the target's slots; the argmax after each query's last row, on the device: [n]."""
+        positions, slots = _positions_and_slots(starts, counts, tables, self.block_size)
+        meta = self._attention_metadata(slots, tables, counts, starts + counts, int(np.sum(counts == 1)))
+        meta.decode_groups = ()  # rows are not sorted by context length here
+        hidden = self._forward(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
+                               meta, [])
+        last = self._to_device(np.cumsum(counts) - 1, torch.int64)
+        return self.sampler.argmax(self._logits(hidden, last).float())
 
     @torch.inference_mode()
     def draft_decode(self, input_ids: torch.Tensor, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
         """A draft model: one decode row per sequence (input_ids [n] on the device, their positions,
         block tables [n, widest]); the argmax after each, on the device."""
-        bs, n = self.block_size, len(positions)
-        slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        n = len(positions)
+        _, slots = _positions_and_slots(positions, np.ones(n, dtype=np.int64), tables, self.block_size)
         meta = self._attention_metadata(slots, tables, np.ones(n, dtype=np.int64), positions + 1, n)
         meta.decode_groups = ()  # rows are not sorted by context length here
         hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta, [])
@@ -259,14 +263,7 @@ class ModelRunner:
         num_sampled = np.array(sched.num_sampled, dtype=np.int64)
         ends = starts + counts
         num_tokens = len(input_ids)
-        # positions: each seq's range [start, end), flattened
-        if num_tokens == len(seqs):  # one token per sequence
-            seq_of_token, positions = np.arange(num_tokens), starts
-        else:
-            seq_of_token = np.repeat(np.arange(len(seqs)), counts)
-            offsets = np.cumsum(counts) - counts
-            positions = starts[seq_of_token] + np.arange(num_tokens) - offsets[seq_of_token]
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        positions, slots = _positions_and_slots(starts, counts, tables, bs)
         # single-token queries (the scheduler puts them first) take the decode path; longer ones
         # (prefill chunks, several query tokens) the prefill path, which attends over a cached context too
         num_decodes = int(np.sum(counts == 1))
@@ -425,6 +422,18 @@ def _gather(sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             ids += sched.spec_tokens[i]  # proposals follow the last token (speculative decoding)
         tables.append(s.block_table)
     return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), block_tables(tables)
+
+
+def _positions_and_slots(starts: np.ndarray, counts: np.ndarray, tables: np.ndarray, bs: int):
+    """Each sequence's query positions [start, start + count), flattened, and their KV slots."""
+    if len(counts) == int(counts.sum()):  # one token per sequence
+        seq_of_token, positions = np.arange(len(counts)), starts
+    else:
+        seq_of_token = np.repeat(np.arange(len(counts)), counts)
+        offsets = np.cumsum(counts) - counts
+        positions = starts[seq_of_token] + np.arange(int(counts.sum())) - offsets[seq_of_token]
+    slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    return positions, slots
 
 
 def block_tables(tables) -> np.ndarray:

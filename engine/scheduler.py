@@ -178,7 +178,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.draft_computed = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.preemption_times.append(time.monotonic())
         self.num_preemptions += 1
@@ -210,8 +210,9 @@ class Scheduler:
     def _roll_back(self, seq: Sequence) -> None:
         """After a verification: the accepted proposals' KV is valid (all but the new last token are
         computed); the slots of the rejected ones are given back. Only verified tokens reach the
-        prefix cache."""
+        prefix cache. A draft model's KV of the rejected ones is dropped too."""
         seq.num_computed_tokens = seq.num_tokens - 1
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
         self.block_manager.trim(seq, seq.num_tokens)
         self.block_manager.register_full_blocks(seq)
 

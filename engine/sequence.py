@@ -67,6 +67,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None  # why, when finish_reason is ERROR
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.draft_computed = 0  # speculative decoding: tokens whose KV is in a draft model's cache
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.block_table = BlockTable()
         self.block_hashes: list[int] = []  # chained content hashes of full blocks of token_ids (a memo)

@@ -63,11 +63,14 @@ class DraftProposer:
     """A smaller model's greedy proposals. The draft is a ModelRunner of its own whose KV cache mirrors
     the target's block for block (as many blocks of the same size; its own layers and heads), so the
     target's block tables and slots serve it: no second allocator, and the target's rollback frees the
-    draft's slots too. The draft has KV wherever the target has (prefix-cache hits and recomputes after
-    a preemption then hold for both): each step it first runs over the step's own tokens (catch_up,
-    prefill chunks included), then, once add_proposals has given the proposals slots, decodes for the
-    speculating sequences (fill), feeding each proposal in turn (the last one only for its KV, which
-    the target computes too when it verifies it)."""
+    draft's slots too. The draft runs only in steps that speculate, and only for the speculating
+    sequences: each first catches up (catch_up: a query over its tokens from seq.draft_computed, the
+    draft's KV so far, through its last token), then, once add_proposals has given the proposals
+    slots, the draft decodes (fill), feeding each proposal in turn (the last one only for its KV).
+    draft_computed is 0 after a preemption and for a new sequence, also where the target hit the
+    prefix cache (blocks the target computed hold draft KV only if some draft step covered them, so
+    the draft recomputes them: more work, never poorer proposals), and falls back with the target's
+    rollback of rejected proposals (Scheduler._roll_back)."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -75,15 +78,23 @@ class DraftProposer:
         self.rows: dict[int, int] = {}  # seq_id -> its row in first
 
     def catch_up(self, sched, rooms: list[int]) -> list[list[int]] | None:
-        """The draft over the step's tokens, and its next token for each sequence with room; placeholders
-        of each sequence's room (fill puts the tokens in), None when none has room."""
-        if sched.is_empty:
-            return None
-        ends = np.cumsum(sched.num_new_tokens)
+        """The draft over each sequence with room's tokens it has not seen, and its next token after
+        them; placeholders of each sequence's room (fill puts the tokens in), None when none has room."""
+        from pagoda.engine.model_runner import block_tables
+
         speculating = [i for i, room in enumerate(rooms) if room]
-        self.rows = {sched.seqs[i].seq_id: r for r, i in enumerate(speculating)}
-        self.first = self.runner.draft_catch_up(sched, ends[speculating] - 1)
-        return [[0] * room for room in rooms] if speculating else None
+        if not speculating:
+            return None
+        # single-token queries first (the decode path); each query ends with the sequence's last token
+        seqs = sorted((sched.seqs[i] for i in speculating), key=lambda s: s.num_tokens - s.draft_computed != 1)
+        starts = np.array([s.draft_computed for s in seqs], dtype=np.int64)
+        ids = np.array([t for s in seqs for t in s.token_ids[s.draft_computed:]], dtype=np.int64)
+        counts = np.array([s.num_tokens for s in seqs], dtype=np.int64) - starts
+        self.first = self.runner.draft_catch_up(ids, starts, counts, block_tables([s.block_table for s in seqs]))
+        self.rows = {s.seq_id: r for r, s in enumerate(seqs)}
+        for s in seqs:
+            s.draft_computed = s.num_tokens
+        return [[0] * room for room in rooms]
 
     def fill(self, sched) -> None:
         """The speculating sequences' proposals (as many as add_proposals gave slots): greedy draft steps."""
@@ -104,8 +115,9 @@ class DraftProposer:
         table = torch.full((len(seqs), len(steps) - 1), -1, dtype=torch.int64, device=self.first.device)
         for j, t in enumerate(steps[:-1]):
             table[:len(t), j] = t
-        for i, row, n in zip(order, table.tolist(), lens):  # the one host-device sync
+        for i, seq, row, n in zip(order, seqs, table.tolist(), lens):  # the one host-device sync
             sched.spec_tokens[i] = row[:n]
+            seq.draft_computed += int(n)  # every proposal fed (the target's rollback trims the rejected)
 
 
 class Speculator:
@@ -134,7 +146,7 @@ class Speculator:
             for i, (seq, n, k) in enumerate(zip(sched.seqs, sched.num_new_tokens, sched.num_sampled)):
                 if n == 1 and k == 1:  # the sequence's last token only: its next token is sampled now
                     rooms[i] = self._room(seq)
-        if self.draft is not None:  # it sees every step's tokens, speculating or not
+        if self.draft is not None:  # it runs only in steps that speculate
             return self.draft.catch_up(sched, rooms)
         if not any(rooms):
             return None

@@ -498,7 +498,7 @@ def test_greedy_with_a_draft_matches_transformers_and_no_speculation(checkpoint,
     llm, outs = _generate(path, prompts, greedy, spec=_draft_spec(path), num_kv_blocks=128)
     assert [o.token_ids for o in outs] == expected
     _all_accepted(llm)
-    # a mixed batch: penalties keep one sequence from speculating (the draft still sees its tokens)
+    # a mixed batch: penalties keep one sequence from speculating (the draft does not run over its tokens)
     mixed = [greedy] * (len(prompts) - 1) + [SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.5)]
     plain = LLM(path, num_kv_blocks=128).generate(prompts, mixed)
     llm, outs = _generate(path, prompts, mixed, spec=_draft_spec(path), num_kv_blocks=128)
@@ -522,6 +522,45 @@ def test_greedy_with_a_draft_with_prefix_caching_chunked_prefill_and_preemption(
         assert [o.token_ids for o in outs] == expected
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.scheduler.num_prompt_tokens_cached > 0
+    _all_accepted(llm)
+
+
+def test_draft_with_steps_alternating_between_speculating_and_not(checkpoint, draft):
+    # the draft runs only in steps that speculate (at most disable_by_batch_size sequences): two sequences
+    # speculate, three more join (no speculation while five run), the short ones finish and the two speculate
+    # again, the draft catching up over the tokens the target computed without it; then a prompt whose
+    # blocks the target computed alone is a prefix-cache hit the draft recomputes. Token-identical, and an
+    # identical draft still has every proposal accepted.
+    from pagoda.engine.validation import make_request
+
+    path, prompts = checkpoint("llama"), _prompts(256, seed=2)
+    expected = _reference(path, prompts, max_new=40)
+    lengths, prompt_of = [40, 36, 8, 10, 12, 20], [0, 1, 2, 3, 4, 2]
+    for d in (draft("llama"), path):
+        llm = LLM(path, num_kv_blocks=128, block_size=16, speculative_config=_draft_spec(d, disable_by_batch_size=2))
+        engine, spec, steps, done = llm.engine, llm.engine.speculator, [], {}
+        propose = spec.propose
+        spec.propose = lambda sched: steps.append(len(sched.seqs)) or propose(sched)
+
+        def run(ids, num_steps=None):
+            for i in ids:
+                params = SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
+                engine.add_request(make_request(prompts[prompt_of[i]], params, model=llm._model, tokenizer=llm.tokenizer,
+                                                request_id=str(i), stream=False))
+            while engine.has_work() and (num_steps is None or num_steps > 0):
+                done.update({o.request_id: o.token_ids for o in engine.step()})
+                # the draft's KV never runs ahead of the target's (rejected proposals' KV dropped)
+                assert all(s.draft_computed <= s.num_computed_tokens for s in engine.scheduler.running)
+                num_steps = None if num_steps is None else num_steps - 1
+        run([0, 1], num_steps=3)
+        run([2, 3, 4])
+        cached = engine.scheduler.num_prompt_tokens_cached
+        run([5])  # prompt 2 again: the target computed its blocks in steps the draft did not run
+        assert engine.scheduler.num_prompt_tokens_cached > cached
+        assert done == {str(i): expected[prompt_of[i]][:n] for i, n in enumerate(lengths)}
+        assert max(steps) > 2 and steps.index(max(steps)) > 0 and min(steps[steps.index(max(steps)):]) <= 2
+        stats = engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
     _all_accepted(llm)
 
 
