@@ -7,9 +7,11 @@ flag and names). The grammar is llguidance Lark with each function's parameters 
 with fixed separators (a weak model cannot pad a call with whitespace until max_tokens):
   - "required" / a named function: the whole output is the format's calls (one, or several when
     parallel_tool_calls);
-  - "auto": free text, or free text then calls. The free text is one lexeme that cannot spell the
-    trigger (a special token it never produces, or Llama's "{" at the start), so it costs llguidance
-    one cheap mask per step;
+  - "auto": free text, or free text then calls. Lazy where the format has a trigger (Hermes, Mistral):
+    no grammar and no mask on the free text, the engine watches for the trigger (its token, or its
+    text) and constrains the calls from just after it (StructuredOutputs.trigger). Llama's trigger,
+    "{" at the start, and reasoning requests keep the eager grammar: free text as one lexeme that
+    cannot spell the trigger, one mask per step;
   - "none": tools rendered in the prompt, nothing constrained or parsed.
 Parsing (scan) returns the calls that parse and name a tool; anything after the first one that
 does not (a call cut short by max_tokens) is returned as content, never as a malformed call. The
