@@ -180,7 +180,7 @@ class EngineCore:
         seqs = [self._sequence(req, i) for i in range(req.params.n)]
         self.requests[req.request_id] = seqs
         if req.grammar is not None:  # scheduled once its matcher template is built (off this loop)
-            self.structured.add(seqs, req.grammar)
+            self.structured.add(seqs, req.grammar, req.params.structured_outputs.trigger)
             return
         for seq in seqs:
             self.scheduler.add(seq)

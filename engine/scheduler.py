@@ -226,6 +226,8 @@ class Scheduler:
             reason, error = check_stop(seq, self.max_model_len), None
             if reason is None and seq.matcher is not None:
                 reason, error = self.structured.accept(seq, token)
+            elif reason is None and seq.watch is not None:  # a lazy grammar: does this token trigger it?
+                reason, error = self.structured.watch(seq, token)
             if reason is not None:
                 self.finish(seq, reason, error)
                 return

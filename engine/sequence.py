@@ -76,6 +76,7 @@ class Sequence:
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1, 2, ... (the first has no context)
         self.bad_words = bad_words or []  # token ids of the words it must not generate
         self.matcher = matcher  # structured output: an llguidance matcher (engine/structured.py), once built
+        self.watch = None  # a lazy grammar's trigger watch, until the trigger comes (engine/structured.py Watch)
         self.detokenizer = detokenizer  # IncrementalDetokenizer: stop strings and the output's text
         self.generator = generator  # torch.Generator when params.seed is set
         self.stream = stream  # outputs every step, or only when finished (engine/core_outputs.py)

@@ -163,7 +163,7 @@ class Speculator:
         tokens before it in ways the verification does not see (penalties, bad words, min_tokens,
         a grammar), or while paused."""
         p = seq.params
-        if seq.matcher is not None or p.needs_penalties or seq.bad_words or seq.num_generated_tokens < p.min_tokens:
+        if seq.matcher is not None or seq.watch is not None or p.needs_penalties or seq.bad_words or seq.num_generated_tokens < p.min_tokens:
             return 0
         state = seq.speculation = seq.speculation or SpecState()
         if state.paused:

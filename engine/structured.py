@@ -36,8 +36,13 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    trigger: str | None = None  # lazy: free text until the output spells it, the grammar from just after it
 
     def __post_init__(self):
+        if self.trigger is not None:
+            if not isinstance(self.trigger, str) or not self.trigger:
+                raise InvalidRequestError(f"{FIELD}.trigger", "must be a non-empty string")
+            check_text(f"{FIELD}.trigger", self.trigger)
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise InvalidRequestError(FIELD, f"must set exactly one of {', '.join(KINDS)}"
@@ -237,6 +242,15 @@ def fill_bitmasks(matchers: list, vocab_size: int, pin_memory: bool = False):
     return bits
 
 
+class Watch:
+    """A lazy grammar's trigger watch (a sequence's `watch` until the trigger comes): nothing is masked
+    meanwhile. `token`: the trigger is one token of the vocabulary, else its bytes are looked for in
+    the output's last bytes (`tail`); `template`: the grammar of what follows the trigger, built."""
+
+    def __init__(self, template, token: int | None, trigger: bytes):
+        self.template, self.token, self.trigger, self.tail = template, token, trigger, b""
+
+
 class StructuredOutputManager:
     """The engine core's one home for structured outputs: compiling (the GrammarCompiler), each
     sequence's matcher (copied from its grammar's template, built off the engine loop), the bitmasks
@@ -245,30 +259,35 @@ class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids=()):
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
-        self.compiling: list[tuple[concurrent.futures.Future, list]] = []  # (template, its sequences)
+        self.compiling: list[tuple[concurrent.futures.Future, list, str | None]] = []  # (template, seqs, trigger)
 
-    def add(self, seqs: list, grammar: str) -> None:
-        """Sequences that wait for their grammar's template before they are scheduled."""
-        self.compiling.append((self.compiler.template(grammar), seqs))
+    def add(self, seqs: list, grammar: str, trigger: str | None = None) -> None:
+        """Sequences that wait for their grammar's template before they are scheduled. With a trigger
+        the grammar is lazy: the template is built now, but a sequence gets its matcher only once its
+        output spells the trigger (no mask until then)."""
+        self.compiling.append((self.compiler.template(grammar), seqs, trigger))
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(seqs) for _, seqs in self.compiling)
+        return sum(len(seqs) for _, seqs, _ in self.compiling)
 
     def take_ready(self) -> tuple[list, list[tuple[object, str]]]:
         """Sequences whose template is built, each given its own matcher; and (sequence, error) of
         those whose grammar failed to build. Sequences finished meanwhile (aborted) are dropped."""
         ready, failed, still = [], [], []
-        for future, seqs in self.compiling:
+        for future, seqs, trigger in self.compiling:
             if all(s.is_finished for s in seqs):
                 continue
             if not future.done():
-                still.append((future, seqs))
+                still.append((future, seqs, trigger))
                 continue
             error = future.exception()
             for seq in seqs:
                 if error is not None:
                     failed.append((seq, str(error)))
+                elif trigger is not None:
+                    seq.watch = Watch(future.result(), self._trigger_token(trigger), trigger.encode())
+                    ready.append(seq)
                 else:
                     seq.matcher = future.result().deep_copy()
                     ready.append(seq)
@@ -277,7 +296,7 @@ class StructuredOutputManager:
 
     def wait(self, timeout: float) -> None:
         """Until a template is built (or timeout seconds): nothing else may be runnable meanwhile."""
-        concurrent.futures.wait([f for f, _ in self.compiling], timeout, concurrent.futures.FIRST_COMPLETED)
+        concurrent.futures.wait([f for f, _, _ in self.compiling], timeout, concurrent.futures.FIRST_COMPLETED)
 
     def bitmasks(self, seqs: list, pin_memory: bool = False):
         """(rows, bits) for the constrained rows among seqs, bits int32 [rows, ceil(vocab / 32)]
@@ -298,6 +317,36 @@ class StructuredOutputManager:
         if m.is_stopped():
             return FinishReason.GRAMMAR, None
         return None, None
+
+    def watch(self, seq, token: int):
+        """seq (lazy, its grammar not yet active) generated a token: when that completes the trigger,
+        seq gets its matcher, which takes the bytes after the trigger in the same token (if any).
+        Returns accept's (FinishReason, error)."""
+        from pagoda.engine.sequence import FinishReason
+
+        w = seq.watch
+        if w.token is not None:
+            if token != w.token:
+                return None, None
+            rest = b""
+        else:  # the trigger is plain text: look for it in the output's last bytes
+            w.tail += self.compiler.tokenizer.decode_bytes([token])
+            at = w.tail.find(w.trigger)
+            if at < 0:
+                w.tail = w.tail[-(len(w.trigger) - 1):] if len(w.trigger) > 1 else b""
+                return None, None
+            rest = w.tail[at + len(w.trigger):]
+        seq.watch, seq.matcher = None, w.template.deep_copy()
+        m = seq.matcher
+        if rest and not m.consume_tokens(self.compiler.tokenizer.tokenize_bytes(rest)):
+            seq.matcher = None  # the trigger, then text no call begins with: it stays text, unconstrained
+            return None, None
+        return (FinishReason.GRAMMAR, None) if m.is_stopped() else (None, None)
+
+    def _trigger_token(self, trigger: str) -> int | None:
+        """The trigger's token id when it is one added token of the tokenizer, else None."""
+        added = {t.content: i for i, t in self.compiler._hf_tokenizer.added_tokens_decoder.items()}
+        return added.get(trigger)
 
     def rollback(self, seq, num_tokens: int) -> None:
         """Undo seq's matcher's last num_tokens tokens (rejected speculative tokens)."""

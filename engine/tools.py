@@ -7,9 +7,11 @@ flag and names). The grammar is llguidance Lark with each function's parameters 
 with fixed separators (a weak model cannot pad a call with whitespace until max_tokens):
   - "required" / a named function: the whole output is the format's calls (one, or several when
     parallel_tool_calls);
-  - "auto": free text, or free text then calls. The free text is one lexeme that cannot spell the
-    trigger (a special token it never produces, or Llama's "{" at the start), so it costs llguidance
-    one cheap mask per step;
+  - "auto": free text, or free text then calls. Lazy where the format has a trigger (Hermes, Mistral):
+    no grammar and no mask on the free text, the engine watches for the trigger (its token, or its
+    text) and constrains the calls from just after it (StructuredOutputs.trigger). Llama's trigger,
+    "{" at the start, and reasoning requests keep the eager grammar: free text as one lexeme that
+    cannot spell the trigger, one mask per step;
   - "none": tools rendered in the prompt, nothing constrained or parsed.
 Parsing (scan) returns the calls that parse and name a tool; anything after the first one that
 does not (a call cut short by max_tokens) is returned as content, never as a malformed call. The
@@ -79,6 +81,16 @@ class ToolFormat:
             lines = ["start: calls", *lines]
         return "\n".join(lines)
 
+    def lazy_grammar(self, tools: list[dict], parallel: bool, token) -> str | None:
+        """auto's grammar as a lazy one (StructuredOutputs.trigger): the calls from just after the
+        trigger on, the text before it free and unmasked; None where the format has none."""
+        rules = [f"c{i}: %json {json.dumps(self.call_schema(t), ensure_ascii=False)}" for i, t in enumerate(tools)]
+        call = " | ".join(f"c{i}" for i in range(len(tools)))
+        return "\n".join([self.after_trigger(call, parallel, token), *self.calls_rules(call, parallel, token), *rules])
+
+    def after_trigger(self, call: str, parallel: bool, token) -> str:
+        raise NotImplementedError
+
     def calls_rules(self, call: str, parallel: bool, token) -> list[str]:
         raise NotImplementedError
 
@@ -130,6 +142,9 @@ class Hermes(ToolFormat):
         more = ' ("\\n" block)*' if parallel else ""
         return ["calls: block" + more, f'block: {token(self.trigger)} "\\n" ({call}) "\\n" {token(self.end)}']
 
+    def after_trigger(self, call, parallel, token):
+        return f'start: "\\n" ({call}) "\\n" {token(self.end)}' + (' ("\\n" block)*' if parallel else "")
+
     def parse_calls(self, text, start, names):
         calls, pos = [], start
         while True:
@@ -161,6 +176,9 @@ class Llama3Json(ToolFormat):
     def auto_rules(self, token):
         return ["start: TEXT? | calls", r"TEXT: /[^{](.|\n)*/"]
 
+    def lazy_grammar(self, tools, parallel, token):
+        return None  # the trigger, "{", is a call's own first byte: the eager grammar decides at the first token
+
     def region(self, text):
         return 0 if text.startswith(self.trigger) else -1
 
@@ -188,6 +206,12 @@ class Mistral(ToolFormat):
     markers = ("[TOOL_CALLS]",)
 
     def grammar(self, tools, parallel, auto, token):
+        return "\n".join([*(self.auto_rules(token) if auto else ["start: calls"]), *self._calls(tools, parallel, token)])
+
+    def lazy_grammar(self, tools, parallel, token):
+        return "\n".join(["start: arr", *self._calls(tools, parallel, token)])
+
+    def _calls(self, tools, parallel, token) -> list[str]:
         items = {"anyOf": [self.call_schema(t) for t in tools]}
         for item in items["anyOf"]:  # the options go at the root, with every $defs
             item.pop("x-guidance")
@@ -197,8 +221,7 @@ class Mistral(ToolFormat):
         defs = {k: items.pop(k) for k in ("$defs", "definitions") if k in items}
         schema = {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1}),
                   **defs, "x-guidance": _SEPARATORS}
-        calls = [f"calls: {token(self.trigger)} arr", f"arr: %json {json.dumps(schema, ensure_ascii=False)}"]
-        return "\n".join([*(self.auto_rules(token) if auto else ["start: calls"]), *calls])
+        return [f"calls: {token(self.trigger)} arr", f"arr: %json {json.dumps(schema, ensure_ascii=False)}"]
 
     def parse_calls(self, text, start, names):
         pos = start + len(self.trigger)
@@ -258,6 +281,12 @@ class ToolRequest:
         if self.choice not in ("auto", "required"):
             funcs = [f for f in funcs if f["name"] == self.choice]
         return fmt.grammar(funcs, self.parallel and self.choice in ("auto", "required"), self.choice == "auto", token)
+
+    def lazy_grammar(self, fmt: ToolFormat, token) -> str | None:
+        """auto's grammar from the format's trigger on (None: not auto, or a format without one)."""
+        if self.choice != "auto":
+            return None
+        return fmt.lazy_grammar([t["function"] for t in self.tools], self.parallel, token)
 
 
 def check_tools(tools, tool_choice=None, parallel_tool_calls=None) -> ToolRequest | None:
@@ -404,12 +433,17 @@ def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokeniz
         raise InvalidRequestError("structured_outputs", f"conflicts with tool_choice {tools.choice!r}: set "
                                                         f"tool_choice none for a structured answer")
     token = token_spelling(tokenizer)
-    grammar = tools.grammar(fmt, token)
-    if reasoning is not None:
-        grammar = reasoning.wrap(grammar, token)
+    # auto watches for the trigger with no grammar until it comes; with reasoning, the eager grammar
+    # (it alone knows where the reasoning ends)
+    lazy = tools.lazy_grammar(fmt, token) if reasoning is None else None
+    if lazy is not None:
+        so = StructuredOutputs(grammar=lazy, trigger=fmt.trigger)
+    else:
+        grammar = tools.grammar(fmt, token)
+        so = StructuredOutputs(grammar=reasoning.wrap(grammar, token) if reasoning is not None else grammar)
     markers = {fmt.trigger, getattr(fmt, "end", None)}
     drop = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if t not in markers)
-    return (params.replace(structured_outputs=StructuredOutputs(grammar=grammar), skip_special_tokens=False),
+    return (params.replace(structured_outputs=so, skip_special_tokens=False),
             ToolParsing(fmt.name, frozenset(tools.names), drop))
 
 

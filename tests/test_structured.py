@@ -375,3 +375,10 @@ def test_the_manager_advances_and_rolls_back_a_sequences_matcher(checkpoint):
     reason, error = manager.accept(seq, a)  # the mask never allows this: an error that says why
     assert reason is FinishReason.ERROR and error.startswith("structured output:")
     manager.close()
+
+
+@pytest.mark.parametrize("trigger", ["", 3, "\ud800"])
+def test_a_bad_trigger_names_the_field(trigger):
+    with pytest.raises(InvalidRequestError) as e:
+        StructuredOutputs(grammar="start: /[0-9]+/", trigger=trigger)
+    assert e.value.field == "structured_outputs.trigger"

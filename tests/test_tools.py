@@ -128,3 +128,63 @@ def test_formats_are_detected_from_the_template():
     with pytest.raises(InvalidRequestError) as e:
         tool_format(tok)
     assert e.value.field == "tools"
+
+
+class _Seq:  # what the manager reads and writes on a sequence
+    matcher = watch = None
+    is_finished = False
+
+
+@pytest.mark.parametrize("trigger_is_token", [True, False])
+def test_auto_watches_for_the_trigger_unmasked_then_constrains_the_call(trigger_is_token):
+    """auto's grammar is lazy: no matcher and no mask while the model writes text (with the trigger a
+    token, and with it plain text spread over tokens); from the trigger on the call is constrained,
+    and the text before it is content."""
+    from pagoda.engine.sampling_params import SamplingParams
+    from pagoda.engine.sequence import FinishReason
+    from pagoda.engine.structured import StructuredOutputManager
+    from pagoda.engine.tools import constrain
+    from pagoda.engine.demo import build_byte_tokenizer
+
+    tok = build_tool_tokenizer("qwen") if trigger_is_token else build_byte_tokenizer()
+    fmt = FORMATS["hermes"]
+    params, parsing = constrain(check_tools(TOOLS, "auto", parallel_tool_calls=False), fmt, SamplingParams(max_tokens=64), tok)
+    so = params.structured_outputs
+    assert so.trigger == "<tool_call>"
+    required, _ = constrain(check_tools(TOOLS, "required"), fmt, SamplingParams(max_tokens=64), tok)
+    assert required.structured_outputs.trigger is None  # required stays eager
+    manager = StructuredOutputManager(tok, len(tok), [tok.eos_token_id])
+    try:
+        grammar = manager.compiler.compile(so)
+        seq = _Seq()
+        manager.add([seq], grammar, so.trigger)
+        manager.wait(10)
+        ready, failed = manager.take_ready()
+        assert ready == [seq] and not failed
+        assert seq.matcher is None and seq.watch is not None
+        assert (seq.watch.token is not None) == trigger_is_token
+        text = "Zürich <tool_ca"  # text, and half a trigger when it is plain text: still no mask
+        for t in tok.encode(text, add_special_tokens=False):
+            assert manager.watch(seq, t) == (None, None)
+        assert seq.matcher is None and manager.bitmasks([seq]) is None
+        call = 'll>\n{"name": "f", "arguments": {"city": "東京"}}\n</tool_call>'
+        if trigger_is_token:
+            text, call = "Zürich ", '<tool_call>\n{"name": "f", "arguments": {"city": "東京"}}\n</tool_call>'
+        ids = tok.encode(call, add_special_tokens=False)
+        reason, first = None, True
+        for t in ids:
+            if seq.matcher is None:
+                reason, _ = manager.watch(seq, t)
+            else:
+                rows, bits = manager.bitmasks([seq])  # constrained: the mask allows this token
+                assert rows == [0] and bits[0, t // 32] >> (t % 32) & 1
+                x = tok.convert_tokens_to_ids("x")
+                assert not first or not bits[0, x // 32] >> (x % 32) & 1  # a letter never follows the trigger
+                first = False
+                reason, _ = manager.accept(seq, t)
+        assert reason is FinishReason.GRAMMAR  # the call whole: the grammar ends the output
+        answer = parsing.scan(text + call)
+        assert answer.content == "Zürich " and [(c.name, json.loads(c.arguments)) for c in answer.calls] == [
+            ("f", {"city": "東京"})]
+    finally:
+        manager.close()
