@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import json
 import threading
 from dataclasses import dataclass
@@ -242,6 +243,13 @@ def fill_bitmasks(matchers: list, vocab_size: int, pin_memory: bool = False):
     return bits
 
 
+@functools.lru_cache(maxsize=8)
+def added_token_ids(tokenizer) -> dict[str, int]:
+    """{text: id} of a (loaded, no longer changing) tokenizer's added tokens; cached: transformers
+    rebuilds the map on every call (~4 ms for a 150k vocabulary), and every tool request asks."""
+    return {t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
+
+
 class Watch:
     """A lazy grammar's trigger watch (a sequence's `watch` until the trigger comes): nothing is masked
     meanwhile. `token`: the trigger is one token of the vocabulary, else its bytes are looked for in
@@ -345,8 +353,7 @@ class StructuredOutputManager:
 
     def _trigger_token(self, trigger: str) -> int | None:
         """The trigger's token id when it is one added token of the tokenizer, else None."""
-        added = {t.content: i for i, t in self.compiler._hf_tokenizer.added_tokens_decoder.items()}
-        return added.get(trigger)
+        return added_token_ids(self.compiler._hf_tokenizer).get(trigger)
 
     def rollback(self, seq, num_tokens: int) -> None:
         """Undo seq's matcher's last num_tokens tokens (rejected speculative tokens)."""

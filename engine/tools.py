@@ -343,7 +343,9 @@ def _choice(tool_choice, names: set) -> str:
 def token_spelling(tokenizer):
     """token(text) for grammars: a text that is one added token of the tokenizer as <[id]> (llguidance
     sees added tokens as special), else a Lark literal."""
-    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
+    from pagoda.engine.structured import added_token_ids
+
+    added = added_token_ids(tokenizer)
 
     def token(text: str) -> str:
         return f"<[{added[text]}]>" if text in added else json.dumps(text, ensure_ascii=False)
