@@ -86,10 +86,12 @@ def test_metrics_move(srv):
                  "pagoda_decode_time_seconds", "pagoda_time_per_output_token_seconds"):
         assert value(after, f"{hist}_count", door="grpc") > value(before, f"{hist}_count", door="grpc"), hist
         assert value(after, f"{hist}_bucket", door="grpc", le="+Inf") == value(after, f"{hist}_count", door="grpc")
-    # a sample per token after each request's first message, which carries more than one token when
-    # the consumer fell behind the engine (deltas merged): most of 8 x 59
-    assert value(after, "pagoda_inter_token_latency_seconds_count", door="grpc") - \
-        value(before, "pagoda_inter_token_latency_seconds_count", door="grpc") >= 8 * 50
+    # a sample per message after each request's first; a message carries more than one token when the
+    # consumer fell behind the engine (deltas merged), which a busy machine makes common: so at most a
+    # sample per token generated, and some (it was >= 8 x 50, which failed with 302 under load)
+    itl = value(after, "pagoda_inter_token_latency_seconds_count", door="grpc") - \
+        value(before, "pagoda_inter_token_latency_seconds_count", door="grpc")
+    assert 0 < itl <= value(after, "pagoda_completion_tokens_total") - value(before, "pagoda_completion_tokens_total")
     # a decode per finished completion: 3 + 8 Generate calls and 1 stream (the cancelled one has no end)
     assert value(after, "pagoda_decode_time_seconds_count", door="grpc") - \
         value(before, "pagoda_decode_time_seconds_count", door="grpc") == 3 + 8 + 1
