@@ -70,7 +70,7 @@ class BlockManager:
         hs, bs = seq.block_hashes, self.block_size
         while len(hs) < num_blocks:
             i = len(hs)
-            hs.append(chain_hash(hs[-1] if hs else None, seq.token_ids[i * bs:(i + 1) * bs]))
+            hs.append(chain_hash(hs[-1] if hs else seq.hash_seed, seq.token_ids[i * bs:(i + 1) * bs]))
         return hs
 
     def match_prefix(self, seq: Sequence) -> list[int]:

@@ -98,6 +98,11 @@ class EngineConfig:
     max_queue_wait_s: float | None = None  # a request never scheduled this long after arrival is refused
     speculative_config: SpeculativeConfig | None = None  # speculative decoding; None: off (also a dict or JSON)
     deterministic: bool = False  # a request's output bitwise the same whatever the batch (CPU; README)
+    # LoRA adapters (engine/lora.py): ((name, path), ...); also a dict or vLLM's "NAME=PATH" / JSON list
+    lora_modules: tuple = ()
+    max_loras: int = 4  # adapters resident at once (a request for another waits for a free slot)
+    max_lora_rank: int = 16  # the largest adapter rank accepted (slots are this wide)
+    allow_lora_loading: bool = False  # adapters loaded/unloaded at run time (loading from a path is a privilege)
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -134,9 +139,25 @@ class EngineConfig:
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        self._check_lora()
         if self.speculative_config is not None and self.speculative_config.model and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config: a draft model is not supported with tensor_parallel_size > 1 "
                              "(use {\"method\": \"ngram\"}, or one rank)")
+
+
+    @property
+    def enable_lora(self) -> bool:
+        return bool(self.lora_modules) or self.allow_lora_loading
+
+    def _check_lora(self) -> None:
+        from pagoda.engine.lora import parse_lora_modules  # torch-free at import
+        object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if not isinstance(self.allow_lora_loading, bool):
+            raise ValueError(f"allow_lora_loading must be a bool, got {self.allow_lora_loading!r}")
+        if self.enable_lora and self.deterministic:
+            raise ValueError("lora_modules / allow_lora_loading are not supported with deterministic=True")
 
 
 def _is_int(x) -> bool:

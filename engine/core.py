@@ -13,6 +13,7 @@ from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers import deterministic, quantization
 from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.engine.lora import AdapterInfo, AdapterSlots, check_name, read_adapter_config
 from pagoda.engine.model_runner import ModelRunner, StepResult
 from pagoda.engine.models import architecture_of
 from pagoda.engine.core_outputs import step_outputs
@@ -35,6 +36,7 @@ class EngineCore:
         self.config = self._resolve(config, path)
         self._build_kv_cache()
         self._warm_up()
+        self._load_adapters()
         self._build_scheduler()
         self.requests: dict[str, list[Sequence]] = {}  # request id -> its n sequences, while in flight
         self.started = time.monotonic()
@@ -90,7 +92,8 @@ class EngineCore:
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.draft_runner = None  # speculative decoding's draft model: a runner of its own, one rank
         if self.draft_path is not None:
-            self.draft_runner = ModelRunner(dataclasses.replace(config, model=self.draft_path))
+            self.draft_runner = ModelRunner(dataclasses.replace(config, model=self.draft_path, lora_modules=(),
+                                                                allow_lora_loading=False))
         _log_phase("weights", t0, f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters, "
                                   f"{str(self.dtype).removeprefix('torch.')}, {self.device.type}")
 
@@ -149,7 +152,8 @@ class EngineCore:
         if self.workers is not None:
             self.workers.call("init_cache", self.config)
         if self.draft_runner is not None:  # the same blocks: the target's block tables serve both
-            self.draft_runner.init_cache(dataclasses.replace(self.config, model=self.draft_path))
+            self.draft_runner.init_cache(dataclasses.replace(self.config, model=self.draft_path, lora_modules=(),
+                                                             allow_lora_loading=False))
         kv = self.runner.kv_cache
         _log_phase("KV cache", t0, f"{self.config.num_kv_blocks} blocks of {self.config.block_size} tokens, "
                                    f"{kv.numel() * kv.element_size() / 2**30:.2f} GiB, "
@@ -169,14 +173,88 @@ class EngineCore:
         c = self.config
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                   self.structured, c.max_queue_wait_s)
+                                   self.structured, c.max_queue_wait_s, self.adapters)
         spec = c.speculative_config
         self.speculator = Speculator(spec, c.max_model_len, self.draft_runner) if spec is not None else None
+
+    # ---- LoRA adapters (engine/lora.py) ----
+
+    def _load_adapters(self) -> None:
+        self.adapters = None
+        self.adapter_requests: dict[str, int] = {}  # per adapter: requests taken in (metrics)
+        self.unloading: set[str] = set()  # adapters being unloaded: new requests refused, in-flight ones finish
+        self._adapter_uid = 0
+        if not self.config.enable_lora:
+            return
+        self.adapters = AdapterSlots(self.config.max_loras, self._activate_adapter)
+        for name, path in self.config.lora_modules:
+            self.add_adapter(name, path)
+
+    def _on_ranks(self, method: str, *args) -> None:
+        getattr(self.runner, method)(*args)
+        if self.workers is not None:
+            self.workers.call(method, *args)
+
+    def _activate_adapter(self, info: AdapterInfo, slot: int) -> None:
+        self._on_ranks("lora_activate", info.name, slot, info.scaling)
+
+    def add_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Register a LoRA adapter (its weights read on every rank, made resident when a request needs
+        it); ValueError naming what is wrong."""
+        if self.adapters is None:
+            raise ValueError("LoRA adapters are not enabled (start with lora_modules or allow_lora_loading)")
+        check_name(name)
+        if name in self.adapters.infos or name == self.model_name:
+            raise ValueError(f"lora adapter {name!r} is already loaded" if name in self.adapters.infos else
+                             f"lora adapter name {name!r} is the base model's name")
+        self._adapter_uid += 1
+        info = read_adapter_config(name, path, self.config.max_lora_rank, self.runner.lora.targetable(),
+                                   self._adapter_uid)
+        try:
+            self._on_ranks("lora_add", name, info.path)
+        except RuntimeError as e:  # a tensor-parallel rank's ValueError, in its words
+            raise ValueError(str(e).split(": ", 1)[-1]) from None
+        self.adapters.infos[name] = info
+        self.unloading.discard(name)
+        return info
+
+    def remove_adapter(self, name: str) -> bool:
+        """Start unloading an adapter: new requests for it are refused from now on; it is gone once its
+        requests in flight have finished (finish_unloads). True when it is gone already."""
+        if self.adapters is None or name not in self.adapters.infos:
+            from pagoda.engine.errors import AdapterNotFoundError
+            raise AdapterNotFoundError(name)
+        self.unloading.add(name)
+        return name in self.finish_unloads()
+
+    def finish_unloads(self) -> list[str]:
+        """The adapters being unloaded that no request uses any more, unloaded now."""
+        if not self.unloading:
+            return []
+        busy = {s.adapter for group in self.requests.values() for s in group if not s.is_finished}
+        done = [n for n in self.unloading if n not in busy]
+        for name in done:
+            self.adapters.evict(name)
+            self._on_ranks("lora_remove", name)
+            self.unloading.discard(name)
+        return done
+
+    def adapter_infos(self) -> list[AdapterInfo]:
+        return [] if self.adapters is None else sorted(self.adapters.infos.values(), key=lambda a: a.name)
+
+    def check_adapter(self, name: str | None) -> None:
+        """AdapterNotFoundError unless `name` (None: the base model) can take requests."""
+        if name is not None and (self.adapters is None or name not in self.adapters.infos or name in self.unloading):
+            from pagoda.engine.errors import AdapterNotFoundError
+            raise AdapterNotFoundError(name)
 
     # ---- requests ----
 
     def add_request(self, req: EngineRequest) -> None:
         """Take in a checked request (engine/validation.py make_request) as its n sequences."""
+        self.check_adapter(req.adapter)
+        if req.adapter is not None:
+            self.adapter_requests[req.adapter] = self.adapter_requests.get(req.adapter, 0) + 1
         seqs = [self._sequence(req, i) for i in range(req.params.n)]
         self.requests[req.request_id] = seqs
         if req.grammar is not None:  # scheduled once its matcher template is built (off this loop)
@@ -193,7 +271,9 @@ class EngineCore:
         detokenizer = IncrementalDetokenizer(self.vocab, req.prompt_token_ids, params.skip_special_tokens)
         return Sequence(req.request_id, req.prompt_token_ids, params, index=index, priority=req.priority,
                         eos_token_ids=self.eos_token_ids, stream=req.stream, arrival_time=req.arrival_time,
-                        bad_words=req.bad_words_token_ids, detokenizer=detokenizer, generator=generator)
+                        bad_words=req.bad_words_token_ids, detokenizer=detokenizer, generator=generator,
+                        adapter=req.adapter,
+                        adapter_uid=self.adapters.infos[req.adapter].uid if req.adapter is not None else 0)
 
     @property
     def num_waiting(self) -> int:

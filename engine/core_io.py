@@ -30,6 +30,7 @@ class EngineRequest:
     grammar_compile_s: float | None = None  # how long compiling it took, just before arrival_time (traces)
     tool_parsing: object = None  # engine/tools.py ToolParsing: how its output's tool calls are read back
     reasoning: object = None  # engine/reasoning.py Reasoning: how its output's reasoning is read back
+    adapter: str | None = None  # a LoRA adapter's name (engine/lora.py); None: the base model
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,17 @@ class InvalidRequestError(ValueError):
         return type(self)(field, self.message)
 
 
+class AdapterNotFoundError(InvalidRequestError):
+    """A request for a LoRA adapter (a model name) that is not loaded (or is being unloaded)."""
+
+    def __init__(self, name: str, message: str | None = None):
+        super().__init__("model", message or f"{name!r} does not exist (no such model or LoRA adapter loaded)")
+        self.name = name
+
+    def __reduce__(self):
+        return type(self), (self.name, self.message)
+
+
 class DuplicateRequestError(InvalidRequestError):
     """A request id that is already in flight."""
 

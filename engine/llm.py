@@ -1,4 +1,6 @@
 """The offline API, in the habit of vLLM users: LLM(model).generate(prompts, params)."""
+import dataclasses
+
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.errors import EngineError, InvalidRequestError
 from pagoda.engine.core import EngineCore
@@ -20,19 +22,26 @@ class LLM:
         self._model = ModelLimits(info.vocab_size, info.max_model_len)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+                 adapter: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Completions of each prompt (text, token ids, or vLLM's {"prompt": text} /
         {"prompt_token_ids": ids}), in order; a bad prompt or option raises InvalidRequestError (a
-        ValueError) naming it before anything runs."""
+        ValueError) naming it before anything runs. `adapter`: a LoRA adapter's name (from
+        lora_modules) for every prompt, or a list of names (None: the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [_unwrap(p) for p in prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        requests = [make_request(p, sp, model=self._model, tokenizer=self.tokenizer, request_id=str(i), stream=False,
-                                 grammars=self.engine.grammars)
-                    for i, (p, sp) in enumerate(zip(prompts, params))]  # all checked before any runs
+        adapters = adapter if isinstance(adapter, list) else [adapter] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"adapter has {len(adapters)} entries for {len(prompts)} prompts")
+        for a in adapters:
+            self.engine.check_adapter(a)
+        requests = [dataclasses.replace(make_request(p, sp, model=self._model, tokenizer=self.tokenizer,
+                                                     request_id=str(i), stream=False, grammars=self.engine.grammars),
+                                        adapter=a)
+                    for i, (p, sp, a) in enumerate(zip(prompts, params, adapters))]  # all checked before any runs
         for req in requests:
             self.engine.add_request(req)
         finished: dict[str, list[RequestOutput]] = {req.request_id: [] for req in requests}
@@ -43,6 +52,15 @@ class LLM:
         if failed:
             raise EngineError(f"{len(failed)} request(s) failed: {failed[0].error}")
         return [full_output(req.prompt_token_ids, finished[req.request_id]) for req in requests]
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register a PEFT adapter directory under `name` (needs lora_modules or allow_lora_loading)."""
+        self.engine.add_adapter(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload an adapter (offline, nothing is in flight between generate calls)."""
+        if not self.engine.remove_adapter(name):
+            raise EngineError(f"lora adapter {name!r} still has requests in flight")
 
 
 def _unwrap(prompt):

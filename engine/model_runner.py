@@ -16,6 +16,7 @@ from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from pagoda.engine.loader import device_of, dtype_of, load_hf_config, load_weights
+from pagoda.engine.lora import LoRAModel, step_slots
 from pagoda.engine.models import build_model
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
@@ -50,6 +51,8 @@ class ModelRunner:
         self.structured = structured  # StructuredOutputManager: the bitmasks of constrained rows
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
         self.kv_cache: torch.Tensor | None = None  # set by init_cache
+        self.lora: LoRAModel | None = None  # LoRA adapters' slots (set by init_cache when enabled)
+        self._lora_step = None  # the step's (active slots, per-row index) for the other ranks
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -69,6 +72,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device, argmax=fused.argmax if fused is not None else None)
         self._allocate_kv_cache(config.num_kv_blocks, backend)
         quantize_model_(model, config.quantization)
+        if config.enable_lora:
+            self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device)
         if config.deterministic:
             deterministic.prepare_model_(model, dtype, fused)
         elif device.type == "cpu":
@@ -79,6 +84,17 @@ class ModelRunner:
             for m in model.modules():
                 if hasattr(type(m), "fused_ops"):
                     m.fused_ops = fused
+
+    # LoRA adapters, on every rank (engine/workers.py Workers.call): their weights read, dropped, made resident
+    def lora_add(self, name: str, path: str) -> None:
+        self.lora.add(name, path)
+
+    def lora_remove(self, name: str) -> None:
+        self.lora.remove(name)
+
+    @torch.inference_mode()
+    def lora_activate(self, name: str, slot: int, scaling: float) -> None:
+        self.lora.activate(name, slot, scaling)
 
     @property
     def attention_backend_name(self) -> str:
@@ -135,7 +151,8 @@ class ModelRunner:
         """The model over the step's tokens, on every rank: the other ranks get the step first, with
         the rows whose logits will be asked for (compute_logits is collective), in that order."""
         if self.workers is not None:
-            self.workers.call("replay", step_inputs(input_ids, positions, meta, logits_rows), wait=False)
+            self.workers.call("replay", step_inputs(input_ids, positions, meta, logits_rows, self._lora_step),
+                              wait=False)
         return self.model(input_ids, positions, meta)  # [num_tokens, hidden]
 
     @torch.inference_mode()
@@ -145,6 +162,9 @@ class ModelRunner:
             return torch.from_numpy(a).to(self.device) if isinstance(a, np.ndarray) else a
 
         meta = AttentionMetadata(**{k: dev(v) for k, v in step.meta.items()})
+        if self.lora is not None:
+            slots, rows = step.lora or ((), None)
+            self.lora.set_step(slots, None if rows is None else dev(rows))
         hidden = self.model(dev(step.input_ids), dev(step.positions), meta)
         for rows in step.logits_rows:
             self._logits(hidden, slice(*rows) if isinstance(rows, tuple) else dev(rows))
@@ -170,7 +190,8 @@ class ModelRunner:
         if not sample_seqs and not scored:
             self._forward(input_ids, positions, meta, [])  # prefill chunks only: nothing to sample
             return StepResult([])
-        if graphs is not None and not scored and meta.num_decode_tokens == len(seqs) <= graphs.max_batch:
+        no_lora = self.lora is None or self.lora.state.mask is None  # graphs are captured without adapters
+        if graphs is not None and not scored and no_lora and meta.num_decode_tokens == len(seqs) <= graphs.max_batch:
             logits = graphs.run(input_ids, positions, meta)  # a decode row per sequence
             logits = logits if logits_idx is None else logits[logits_idx]
         else:
@@ -270,6 +291,10 @@ class ModelRunner:
         logits_idx = None if num_tokens == len(seqs) and num_sampled.all() else _sample_rows(counts, num_sampled)
         meta = self._attention_metadata(slots, tables, counts, ends, num_decodes)
         logits_idx = None if logits_idx is None else self._to_device(logits_idx, torch.int64)
+        if self.lora is not None:  # each token row's adapter slot, among the step's active ones
+            self._lora_step = step_slots([s.lora_slot for s in seqs], counts)
+            rows = self._lora_step[1]
+            self.lora.set_step(self._lora_step[0], None if rows is None else self._to_device(rows, torch.int64))
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, logits_idx
 
     def _attention_metadata(self, slots, tables, counts, ends, num_decodes: int) -> AttentionMetadata:

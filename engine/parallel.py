@@ -121,13 +121,16 @@ class Linear(nn.Linear):
     engine/layers/deterministic.py BatchInvariantLinear."""
     qweight = scales = None
     batch_invariant = None
+    lora = None  # engine/lora.py LoRASlots: adapters' per-row updates, added to the output (before a reduce)
 
     def forward(self, x):
         if self.batch_invariant is not None:
-            return self.batch_invariant(x)
-        if self.qweight is None:
-            return F.linear(x, self.weight, self.bias)
-        return int8_linear(x, self)
+            y = self.batch_invariant(x)
+        elif self.qweight is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = int8_linear(x, self)
+        return y if self.lora is None else self.lora.forward(x, y)
 
 
 def column_parallel(in_features: int, out_features: int, bias: bool, pieces=None) -> Linear:

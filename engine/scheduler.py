@@ -44,7 +44,7 @@ def num_to_sample(seq: Sequence, num_new_tokens: int) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, structured=None, max_queue_wait_s: float | None = None):
+                 max_model_len: int, structured=None, max_queue_wait_s: float | None = None, adapters=None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -64,6 +64,7 @@ class Scheduler:
         self.num_waiting_tokens = 0
         self.step_s = 0.0  # seconds per step, a moving average
         self.finish_times: collections.deque = collections.deque(maxlen=64)
+        self.adapters = adapters  # engine/lora.py AdapterSlots: LoRA slots of running sequences (None: no LoRA)
 
     def add(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:  # first time: its limits start to count
@@ -147,9 +148,11 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        # Strict order: if the head does not fit, nothing behind it jumps the queue.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # Strict order: if the head does not fit, nothing behind it jumps the queue. Except for LoRA
+        # (vLLM's rule): a sequence whose adapter finds no free slot waits, and those behind it pass it.
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             if seq.needs_prompt_logprobs:  # every prompt position's logits are needed: no cached prefix
                 hits = []
             else:
@@ -160,6 +163,9 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             if not self.block_manager.can_allocate(seq, cached + n, hits):
                 break
+            if seq.adapter is not None and not self.adapters.acquire(seq):
+                i += 1
+                continue
             self.block_manager.allocate(seq, cached + n, hits)
             seq.num_computed_tokens = cached
             if seq.status is SequenceStatus.WAITING:  # first admission, not a recompute
@@ -167,7 +173,7 @@ class Scheduler:
                 seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
                 self.num_prompt_tokens_seen += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_tokens
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self.num_waiting_tokens -= seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.sort_key)
@@ -178,6 +184,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if seq.lora_slot >= 0:
+            self.adapters.release(seq)
         seq.num_computed_tokens = seq.draft_computed = 0
         seq.status = SequenceStatus.PREEMPTED
         seq.preemption_times.append(time.monotonic())
@@ -243,6 +251,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self.num_waiting_tokens -= seq.num_tokens
         self.block_manager.free(seq)
+        if seq.lora_slot >= 0:
+            self.adapters.release(seq)
         seq.finished_time = time.monotonic()
         self.finish_times.append(seq.finished_time)
         seq.status = SequenceStatus.FINISHED

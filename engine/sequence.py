@@ -44,7 +44,7 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, index: int = 0,
                  priority: int = 0, eos_token_ids: frozenset[int] = frozenset(), stream: bool = True,
                  arrival_time: float | None = None, bad_words: list[list[int]] | None = None,
-                 detokenizer=None, generator=None, matcher=None):
+                 detokenizer=None, generator=None, matcher=None, adapter: str | None = None, adapter_uid: int = 0):
         self.request_id = request_id  # the request it answers
         self.index = index  # which of the request's n completions
         self.seq_id = f"{request_id}#{index}"  # unique per sequence
@@ -83,6 +83,10 @@ class Sequence:
         self.num_tokens_sent = 0  # generated tokens already in an output
         self.num_text_sent = 0  # characters of the text already in an output
         self.speculation = None  # engine/speculative.py SpecState, once speculative decoding looks at it
+        self.adapter = adapter  # the LoRA adapter's name (engine/lora.py), or None: the base model
+        self.lora_slot = -1  # its resident slot while running, else -1
+        # the prefix cache's chain starts from the adapter: the same tokens under two adapters differ
+        self.hash_seed = None if adapter is None else ("lora", adapter, adapter_uid)
 
     @property
     def num_tokens(self) -> int:

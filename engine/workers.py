@@ -47,6 +47,7 @@ class StepInputs:
     positions: np.ndarray
     meta: dict  # AttentionMetadata's fields, tensors as numpy arrays
     logits_rows: list
+    lora: tuple | None = None  # LoRA: (active slots, per-row index among them as an array), or None
 
 
 def to_host(t: torch.Tensor | None):
@@ -171,11 +172,11 @@ def _stop(conns, procs) -> None:
             proc.wait(5)
 
 
-def step_inputs(input_ids, positions, meta, logits_rows) -> StepInputs:
+def step_inputs(input_ids, positions, meta, logits_rows, lora=None) -> StepInputs:
     fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
     host = {k: to_host(v) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
     rows = [to_host(r) if isinstance(r, torch.Tensor) else r for r in logits_rows]
-    return StepInputs(to_host(input_ids), to_host(positions), host, rows)
+    return StepInputs(to_host(input_ids), to_host(positions), host, rows, lora)
 
 
 def main(argv=None) -> None:

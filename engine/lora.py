@@ -1,0 +1,361 @@
+"""LoRA adapters (PEFT's format) served on one base model, chosen per request, mixed in one batch.
+
+Three pieces, one home:
+- `read_adapter_config`: PEFT's adapter_config.json checked (what is not supported is refused in one
+  line naming the field) -> AdapterInfo.
+- `LoRAModel` (one per rank, owned by the ModelRunner): every targetable linear layer gets stacked
+  buffers for `max_loras` resident slots (A: [slices, slots, max_rank, in], B: [out, slots, max_rank],
+  the scaling folded into B, a smaller rank zero-padded). Each step the runner gives it the slot of
+  every token row; every layer then adds the rows' updates in one vectorised pass over the step's
+  active slots: xa = x @ A_active^T, masked so that each row keeps its own slot's block, then
+  y += xa @ B_active^T (per fused slice: q|k|v, gate|up). No row uses an adapter: nothing runs.
+  Under tensor parallelism A and B are sharded like the base layer: a column-parallel layer's B
+  holds this rank's output rows (A whole); a row-parallel layer's A holds this rank's input columns
+  (B whole), and each rank's partial x_r A_r^T B^T is added before the layer's all-reduce.
+- `AdapterSlots` (the driver's scheduler side): which adapter is resident in which slot, how many
+  running sequences use each slot. A waiting sequence whose adapter is not resident stays in the
+  queue until a slot is free (no running sequence uses it), as vLLM does; others pass it meanwhile.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+MAX_LORAS, MAX_LORA_RANK = 4, 16
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """An adapter as registered (crosses the process boundary in ModelInfo)."""
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    scaling: float  # alpha / r, or alpha / sqrt(r) with use_rslora
+    target_modules: tuple[str, ...]
+    uid: int = 0  # registration number: prefix-cache keys differ for a name registered again
+
+
+def parse_lora_modules(value) -> tuple[tuple[str, str], ...]:
+    """lora_modules as (name, path) pairs, from a dict {name: path}, or a list of "NAME=PATH" strings,
+    {"name": .., "path": ..} dicts or their JSON (vLLM's two forms)."""
+    if value is None:
+        return ()
+    items = list(value.items()) if isinstance(value, dict) else []
+    if not isinstance(value, dict):
+        if isinstance(value, str):
+            value = [value]
+        for v in value:
+            if isinstance(v, (tuple, list)) and len(v) == 2:
+                items.append(tuple(v))
+                continue
+            if isinstance(v, str) and v.lstrip().startswith("{"):
+                try:
+                    v = json.loads(v)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"lora_modules: {v!r} is not valid JSON: {e}") from None
+            if isinstance(v, dict):
+                if not {"name", "path"} <= set(v):
+                    raise ValueError(f"lora_modules: {v!r} needs \"name\" and \"path\"")
+                items.append((v["name"], v["path"]))
+            elif isinstance(v, str) and "=" in v:
+                items.append(tuple(v.split("=", 1)))
+            else:
+                raise ValueError(f"lora_modules: {v!r} is not NAME=PATH (or {{\"name\": NAME, \"path\": PATH}})")
+    seen = set()
+    for name, path in items:
+        check_name(name)
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"lora_modules: adapter {name!r} needs a path")
+        if name in seen:
+            raise ValueError(f"lora_modules: adapter {name!r} is given twice")
+        seen.add(name)
+    return tuple((n, p) for n, p in items)
+
+
+def check_name(name) -> None:
+    if not isinstance(name, str) or not name or len(name) > 256 or any(c.isspace() for c in name):
+        raise ValueError(f"lora adapter name must be a non-empty string without spaces, got {name!r}")
+
+
+def read_adapter_config(name: str, path: str, max_rank: int, targetable: set[str], uid: int = 0) -> AdapterInfo:
+    """PEFT's adapter_config.json, checked; ValueError naming the adapter and the field refused."""
+    where = f"lora adapter {name!r} ({path})"
+    path = os.path.expanduser(path)
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        if not os.path.isfile(os.path.join(path, f)):
+            raise ValueError(f"{where}: no {f} (a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as fh:
+            cfg = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: cannot read {CONFIG_FILE}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: {CONFIG_FILE} is not a JSON object")
+    peft_type = cfg.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"{where}: peft_type {peft_type!r} is not supported (LORA only)")
+    refused = {"use_dora": "DoRA", "modules_to_save": "whole modules saved beside the adapter",
+               "rank_pattern": "per-layer ranks", "alpha_pattern": "per-layer alphas",
+               "layers_to_transform": "a subset of layers", "lora_bias": "LoRA biases"}
+    for key, what in refused.items():
+        if cfg.get(key):
+            raise ValueError(f"{where}: {key} ({what}) is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"{where}: bias {cfg['bias']!r} is not supported (only \"none\": biases are not trained)")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"{where}: r must be a positive integer, got {r!r}")
+    if r > max_rank:
+        raise ValueError(f"{where}: r {r} exceeds max_lora_rank {max_rank} (raise --max-lora-rank)")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    targets = cfg.get("target_modules")
+    if targets == "all-linear":
+        targets = sorted(targetable)
+    if isinstance(targets, str) or not isinstance(targets, list) or not targets:
+        raise ValueError(f"{where}: target_modules must be a list of module names, got {targets!r}")
+    leaves = tuple(sorted({str(t).rsplit(".", 1)[-1] for t in targets}))
+    bad = [t for t in leaves if t not in targetable]
+    if bad:
+        raise ValueError(f"{where}: target_modules {bad[0]!r} is not supported for this model "
+                         f"(supported: {', '.join(sorted(targetable))})")
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    return AdapterInfo(name, path, r, float(alpha), scaling, leaves, uid)
+
+
+class StepState:
+    """What every LoRA layer reads in a step: the active slots, and which of them each row uses."""
+    slots: tuple[int, ...] = ()  # the step's distinct slots in use (host); () : no adapter this step
+    mask: torch.Tensor | None = None  # [num_tokens, len(slots) * max_rank]: 1 where the row's slot's block is
+    version = 0  # bumped whenever a slot's weights change (layers cache their active selection)
+
+
+class LoRASlots:
+    """One linear layer's adapter slots: `forward(x, y)` adds each row's update to the base output y."""
+
+    def __init__(self, layer, num_slots: int, rank: int, state: StepState, dtype: torch.dtype, device):
+        out, inp = layer.out_features, layer.in_features
+        offsets = getattr(layer, "shard_offsets", (0,))
+        self.slices = [(a, b - a) for a, b in zip(offsets, (*offsets[1:], out))]  # (first row, rows) per piece
+        self.dtype = dtype
+        self.A = torch.zeros(len(self.slices), num_slots, rank, inp, dtype=dtype, device=device)
+        self.B = [torch.zeros(n, num_slots, rank, dtype=dtype, device=device) for _, n in self.slices]
+        self.has = [False] * num_slots  # slot holds a non-empty update for this layer
+        self.state, self.rank = state, rank
+        self._cache = (None, None)
+
+    def set(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """pieces: per slice, (A [r, in], B [out_slice, r] scaled) of this rank, or None (no update)."""
+        self.A[:, slot].zero_()
+        for b in self.B:
+            b[:, slot].zero_()
+        for i, p in enumerate(pieces):
+            if p is not None:
+                a, b = p
+                self.A[i, slot, :a.shape[0]].copy_(a)
+                self.B[i][:, slot, :b.shape[1]].copy_(b)
+        self.has[slot] = any(p is not None for p in pieces)
+
+    def _active(self):
+        """(A [slices * k * rank, in], [B [out_slice, k * rank]] per slice) of the step's active slots,
+        or None when none of them touches this layer; cached while the slots stay the same."""
+        st = self.state
+        key = (st.slots, st.version)
+        if self._cache[0] != key:
+            sel = None
+            if any(self.has[s] for s in st.slots):
+                k, idx = len(st.slots), torch.tensor(st.slots, device=self.A.device)
+                a = self.A.index_select(1, idx).reshape(-1, self.A.shape[-1])
+                sel = a, [b.index_select(1, idx).reshape(b.shape[0], k * self.rank) for b in self.B]
+            self._cache = (key, sel)
+        return self._cache[1]
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # x: [n, in], y: [n, out] (the base layer's output)
+        if self.state.mask is None:
+            return y
+        sel = self._active()
+        if sel is None:
+            return y
+        a, bs = sel
+        xa = (x.to(self.dtype) @ a.t()).view(x.shape[0], len(bs), -1)  # [n, slices, k * rank]
+        xa = xa * self.state.mask[:, None, :]
+        for i, ((first, n), b) in enumerate(zip(self.slices, bs)):
+            y[:, first:first + n] += (xa[:, i] @ b.t()).to(y.dtype)
+        return y
+
+
+class LoRAModel:
+    """A rank's adapters: their weights (this rank's shards, on the host), the slots of every
+    targetable layer, and the step's state."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device):
+        from pagoda.engine.parallel import Linear, ParallelLMHead
+        self.model, self.max_rank, self.dtype = model, max_rank, dtype
+        self.state = StepState()
+        self.layers: dict[str, LoRASlots] = {}
+        for name, m in model.named_modules():
+            if isinstance(m, Linear) and not isinstance(m, ParallelLMHead):
+                m.lora = self.layers[name] = LoRASlots(m, max_loras, max_rank, self.state, dtype, device)
+        self.adapters: dict[str, dict[str, list]] = {}  # name -> layer name -> pieces (LoRASlots.set)
+
+    def targetable(self) -> set[str]:
+        return targetable_modules(self.model)
+
+    def add(self, name: str, path: str) -> None:
+        """Read an adapter's weights (this rank's shards), checked against the model."""
+        self.adapters[name] = _read_weights(self.model, self.layers, name, path)
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name, None)
+
+    def activate(self, name: str, slot: int, scaling: float) -> None:
+        """Copy an adapter's weights into a slot (scaled)."""
+        weights = self.adapters[name]
+        for lname, layer in self.layers.items():
+            pieces = weights.get(lname, [None] * len(layer.slices))
+            layer.set(slot, [None if p is None else (p[0], p[1] * scaling) for p in pieces])
+        self.state.version += 1
+
+    def set_step(self, slots: tuple[int, ...], token_pos: torch.Tensor | None) -> None:
+        """The step's active slots and, per token row, its slot's index among them (-1: the base)."""
+        st = self.state
+        if not slots:
+            st.slots, st.mask = (), None
+            return
+        k = len(slots)
+        onehot = (token_pos[:, None] == torch.arange(k, device=token_pos.device)).to(self.dtype)  # [n, k]
+        st.slots, st.mask = tuple(slots), onehot.repeat_interleave(self.max_rank, dim=1)  # [n, k * rank]
+
+
+def step_slots(seq_slots, counts):
+    """Host side, with the step's other inputs: (active slots, per token row its index among them or
+    -1) from each sequence's slot (-1: no adapter) and its query rows; ((), None) without adapters."""
+    import numpy as np
+    seq_slots = np.asarray(seq_slots, dtype=np.int64)
+    if not (seq_slots >= 0).any():
+        return (), None
+    active = np.unique(seq_slots[seq_slots >= 0])
+    lut = np.full(int(active.max()) + 2, -1, dtype=np.int64)
+    lut[active] = np.arange(len(active))
+    return tuple(int(s) for s in active), np.repeat(lut[seq_slots], counts)
+
+
+def targetable_modules(model) -> set[str]:
+    """PEFT module names (the checkpoint's, e.g. q_proj) an adapter may target in this model."""
+    from pagoda.engine.parallel import Linear, ParallelLMHead
+    out = set()
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and not isinstance(m, ParallelLMHead):
+            leaf = name.rsplit(".", 1)[-1]
+            pieces = [k for k, v in getattr(model, "packed", {}).items() if v[0] == leaf]
+            out.update(pieces or [leaf])
+    return out
+
+
+def _shard(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
+    parts = [t.narrow(dim, a, n) for a, n in ranges]
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+
+
+def _read_weights(model, layers: dict[str, LoRASlots], name: str, path: str) -> dict[str, list]:
+    from safetensors import safe_open
+    where = f"lora adapter {name!r}"
+    file = os.path.join(os.path.expanduser(path), WEIGHTS_FILE)
+    found: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                for part in ("lora_A", "lora_B"):
+                    if f".{part}." in key:
+                        module = key.removeprefix("base_model.model.").split(f".{part}.")[0]
+                        break
+                else:
+                    raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B weight (not supported)")
+                mapped = model.checkpoint_name(module + ".weight")
+                lname = None if mapped is None else mapped[0].removesuffix(".weight")
+                if lname not in layers:
+                    raise ValueError(f"{where}: tensor {key!r} targets no linear layer of this model")
+                found.setdefault((lname, mapped[1]), {})[part] = f.get_tensor(key).float()
+    except (OSError, RuntimeError) as e:  # safetensors' own errors for a corrupt file
+        raise ValueError(f"{where}: cannot read {file}: {e}") from None
+    out: dict[str, list] = {}
+    for (lname, shard), ab in found.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(f"{where}: {lname} has lora_A or lora_B alone")
+        layer, owner = layers[lname], model.get_submodule(lname)
+        a, b = ab["lora_A"], ab["lora_B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] > layer.rank:
+            raise ValueError(f"{where}: {lname} has A {tuple(a.shape)} and B {tuple(b.shape)} (rank above "
+                             f"max_lora_rank {layer.rank}, or not a LoRA pair)")
+        parts = owner.tp_parts
+        if owner.tp_dim == 0:  # column-parallel: this rank's output rows of B
+            b = _shard(b, parts[shard], 0)
+        else:  # row-parallel: this rank's input columns of A
+            a = _shard(a, parts[None], 1)
+        i = 0 if shard is None else shard
+        first, n = layer.slices[i]
+        if a.shape[1] != layer.A.shape[-1] or b.shape[0] != n:
+            raise ValueError(f"{where}: {lname} weights A {tuple(a.shape)}, B {tuple(b.shape)} do not fit the "
+                             f"model's layer (another base model's adapter?)")
+        pieces = out.setdefault(lname, [None] * len(layer.slices))
+        pieces[i] = (a.to(layer.dtype), b.to(layer.dtype))
+    if not out:
+        raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    return out
+
+
+class AdapterSlots:
+    """The driver's view: registered adapters, which is resident in which slot, and how many running
+    sequences use each slot. `activate(info, slot)` copies an adapter's weights into a slot on
+    every rank."""
+
+    def __init__(self, max_loras: int, activate):
+        self.infos: dict[str, AdapterInfo] = {}
+        self.names: list[str | None] = [None] * max_loras  # slot -> resident adapter
+        self.users = [0] * max_loras  # slot -> running sequences using it
+        self.last_used = [0] * max_loras
+        self._clock = 0
+        self._activate = activate
+
+    def slot_of(self, name: str) -> int:
+        return self.names.index(name) if name in self.names else -1
+
+    def acquire(self, seq) -> bool:
+        """Give a sequence about to run its adapter's slot, loading it into a free one if needed;
+        False when every slot is in use by running sequences (the sequence waits)."""
+        if seq.adapter is None:
+            return True
+        slot = self.slot_of(seq.adapter)
+        if slot < 0:
+            free = [s for s in range(len(self.names)) if self.users[s] == 0]
+            if not free:
+                return False
+            slot = min(free, key=lambda s: (self.names[s] is not None, self.last_used[s]))  # empty, else LRU
+            self._activate(self.infos[seq.adapter], slot)
+            self.names[slot] = seq.adapter
+        self.users[slot] += 1
+        self._clock += 1
+        self.last_used[slot] = self._clock
+        seq.lora_slot = slot
+        return True
+
+    def release(self, seq) -> None:
+        """A sequence stopped running (finished or preempted)."""
+        if seq.lora_slot >= 0:
+            self.users[seq.lora_slot] -= 1
+            seq.lora_slot = -1
+
+    def evict(self, name: str) -> None:
+        """An unloaded adapter leaves its slot (none of its sequences runs any more)."""
+        slot = self.slot_of(name)
+        if slot >= 0:
+            assert self.users[slot] == 0, f"adapter {name!r} unloaded while in use"
+            self.names[slot] = None
+        self.infos.pop(name, None)

@@ -1,0 +1,261 @@
+"""LoRA adapters (engine/lora.py), offline: PEFT itself is the oracle. Adapters are made locally with
+PEFT on the tiny checkpoints (B set to random non-zero values: PEFT initialises it to zero), and
+transformers + PEFT greedy float32 output must be token-identical to pagoda's, per adapter alone and
+in one batch mixing adapters and the base model."""
+import json
+import os
+import random
+
+import pytest
+import torch
+import transformers
+
+from pagoda.engine import LLM, SamplingParams
+from pagoda.engine.errors import AdapterNotFoundError
+
+peft = pytest.importorskip("peft")
+
+MAX_NEW = 10
+PROMPT_LENS = [1, 17, 40, 5, 33, 70]
+TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+           "default": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def make_adapter(base: str, out: str, seed: int, r: int = 8, alpha: int = 16, targets=None, **options) -> str:
+    """A PEFT LoRA adapter of `base` with random non-zero A and B, saved to `out`."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    family = "gpt2" if model.config.model_type == "gpt2" else "default"
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or TARGETS[family],
+                             lora_dropout=0.0, **options)
+    model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    """adapters(family) -> (base path, {name: adapter path}), built once per family."""
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            base, root = checkpoint(family), tmp_path_factory.mktemp(f"lora-{family}")
+            built[family] = base, {
+                "one": make_adapter(base, str(root / "one"), 1),
+                "two": make_adapter(base, str(root / "two"), 2, r=4, alpha=8, use_rslora=True),
+                "three": make_adapter(base, str(root / "three"), 3, r=16, alpha=16,
+                                      targets=["q_proj", "v_proj"] if family != "gpt2" else ["c_attn"]),
+            }
+        return built[family]
+    return get
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+_REFS: dict = {}
+
+
+def reference(base: str, adapter: str | None, prompts) -> list[list[int]]:
+    """transformers (+ PEFT with the adapter) greedy, float32."""
+    key = (base, adapter, tuple(map(tuple, prompts)))
+    if key not in _REFS:
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        if adapter is not None:
+            model = peft.PeftModel.from_pretrained(model, adapter)
+        model.eval()
+        outs = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p])
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=MAX_NEW, pad_token_id=0)
+                outs.append(out[0, len(p):].tolist())
+        _REFS[key] = outs
+    return _REFS[key]
+
+
+def _greedy():
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+
+def _assert_clean(llm):
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert all(u == 0 for u in llm.engine.adapters.users)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
+def test_each_adapter_alone_and_mixed_match_peft(adapters, family):
+    base, paths = adapters(family)
+    llm = LLM(base, lora_modules=paths, max_loras=4)
+    prompts = _prompts(llm.engine.hf_config.vocab_size)
+    expected = {name: reference(base, path, prompts) for name, path in paths.items()}
+    expected[None] = reference(base, None, prompts)
+    for name in paths:  # alone
+        got = [o.token_ids for o in llm.generate(prompts, _greedy(), adapter=name)]
+        assert got == expected[name], name
+    assert expected["one"] != expected[None] and expected["two"] != expected["one"], "the adapters change nothing"
+    # one batch: every prompt under every adapter and the base, interleaved
+    names = [None, "one", "two", "three"]
+    batch = [(p, names[(i + j) % 4]) for i, p in enumerate(prompts) for j in range(4)]
+    outs = llm.generate([p for p, _ in batch], _greedy(), adapter=[a for _, a in batch])
+    for (p, a), o in zip(batch, outs):
+        e = expected[a][prompts.index(p)]
+        assert o.token_ids == e, (a, len(p))
+    _assert_clean(llm)
+
+
+def test_mixed_batch_with_chunked_prefill_preemption_and_prefix_caching(adapters):
+    base, paths = adapters("llama")
+    # few blocks force preemption, a small budget chunks the long prompts, two slots make
+    # requests wait for a free one
+    llm = LLM(base, lora_modules=paths, max_loras=2, num_kv_blocks=16, block_size=16, max_num_batched_tokens=24,
+              max_model_len=128, enable_prefix_caching=True)
+    prompts = _prompts(llm.engine.hf_config.vocab_size, seed=1)
+    names = [None, "one", "two", "three"]
+    batch = [(p, names[(i + j) % 4]) for i, p in enumerate(prompts) for j in range(2)]
+    outs = llm.generate([p for p, _ in batch], _greedy(), adapter=[a for _, a in batch])
+    for (p, a), o in zip(batch, outs):
+        e = reference(base, None if a is None else paths[a], [p])[0]
+        assert o.token_ids == e, (a, len(p))
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_clean(llm)
+
+
+def test_same_prompt_under_two_adapters_shares_no_blocks(adapters):
+    base, paths = adapters("llama")
+    llm = LLM(base, lora_modules=paths, enable_prefix_caching=True)
+    prompt = _prompts(llm.engine.hf_config.vocab_size, seed=2)[5]  # 70 tokens: 4 full blocks
+    llm.generate([prompt], _greedy(), adapter="one")
+    cached = llm.engine.stats().num_cached_prompt_tokens
+    out = llm.generate([prompt], _greedy(), adapter="two")[0]
+    assert llm.engine.stats().num_cached_prompt_tokens == cached  # no hit across adapters
+    assert out.token_ids == reference(base, paths["two"], [prompt])[0]
+    llm.generate([prompt], _greedy(), adapter="two")
+    assert llm.engine.stats().num_cached_prompt_tokens > cached  # but a hit under the same one
+    llm.generate([prompt], _greedy())
+    _assert_clean(llm)
+
+
+def test_no_adapter_step_runs_no_lora(adapters):
+    base, paths = adapters("llama")
+    llm = LLM(base, lora_modules=paths)
+    prompts = _prompts(llm.engine.hf_config.vocab_size)
+    got = [o.token_ids for o in llm.generate(prompts, _greedy())]
+    exp = reference(base, None, prompts)
+    assert got == exp
+    assert llm.engine.runner.lora.state.mask is None
+
+
+def test_int8_base_with_adapter_equals_adapter_on_dequantized_weights(adapters, tmp_path):
+    """int8 base + adapter: the adapter's update is added to the int8 layer's output; the oracle is
+    PEFT on a checkpoint holding pagoda's own dequantized int8 weights (run in float32 here, so the
+    comparison is of logits, which must agree closely, and of greedy tokens)."""
+    base, paths = adapters("llama")
+    llm = LLM(base, lora_modules=paths, quantization="int8")
+    prompts = _prompts(llm.engine.hf_config.vocab_size)[:3]
+    got = llm.generate(prompts, _greedy(), adapter="one")
+    # the dequantized weights of every int8 layer, written back as a float checkpoint
+    deq = str(tmp_path / "deq")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    state = hf.state_dict()
+    model = llm.engine.model
+    for name, m in model.named_modules():
+        if getattr(m, "qweight", None) is None:
+            continue
+        w = m.qweight.float() * m.scales.float()[:, None]
+        offsets = getattr(m, "shard_offsets", None)
+        if name == "lm_head":
+            state["lm_head.weight"] = w
+            continue
+        prefix = "model." + name.rsplit(".", 1)[0]
+        leaf = name.rsplit(".", 1)[1]
+        if offsets is None:
+            state[f"{prefix}.{leaf}.weight"] = w
+        else:
+            pieces = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}[leaf]
+            bounds = [*offsets, w.shape[0]]
+            for p, a, b in zip(pieces, bounds, bounds[1:]):
+                state[f"{prefix}.{p}.weight"] = w[a:b]
+    hf.load_state_dict(state)
+    hf.save_pretrained(deq)
+    hf = peft.PeftModel.from_pretrained(hf, paths["one"]).eval()
+    agree = 0
+    with torch.no_grad():
+        for p, o in zip(prompts, got):
+            ids = torch.tensor([p + o.token_ids[:-1]])
+            ref = hf(input_ids=ids).logits[0, len(p) - 1:].argmax(-1).tolist()
+            agree += sum(a == b for a, b in zip(ref, o.token_ids))
+    # int8 activations run in bfloat16 through torch's kernel: close, not bitwise
+    assert agree >= 0.9 * sum(len(o.token_ids) for o in got)
+    # and the adapter changes the int8 model's output as it does the float one's
+    plain = llm.generate(prompts, _greedy())
+    assert [o.token_ids for o in plain] != [o.token_ids for o in got]
+    _assert_clean(llm)
+
+
+def test_load_and_unload_offline(adapters):
+    base, paths = adapters("qwen3")
+    llm = LLM(base, allow_lora_loading=True, max_loras=1)
+    prompts = _prompts(llm.engine.hf_config.vocab_size)[:2]
+    with pytest.raises(AdapterNotFoundError, match="'one'"):
+        llm.generate(prompts, _greedy(), adapter="one")
+    llm.load_lora_adapter("one", paths["one"])
+    llm.load_lora_adapter("two", paths["two"])  # one slot: they take turns
+    outs = llm.generate(prompts * 2, _greedy(), adapter=["one", "two", "two", "one"])
+    for o, (p, a) in zip(outs, zip(prompts * 2, ["one", "two", "two", "one"])):
+        e = reference(base, paths[a], [p])[0]
+        assert o.token_ids == e
+    llm.unload_lora_adapter("one")
+    with pytest.raises(AdapterNotFoundError, match="'one'"):
+        llm.generate(prompts, _greedy(), adapter="one")
+    with pytest.raises(AdapterNotFoundError):
+        llm.unload_lora_adapter("one")
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.load_lora_adapter("two", paths["two"])
+    _assert_clean(llm)
+
+
+def _edit_config(src: str, dst, **changes) -> str:
+    import shutil
+    shutil.copytree(src, dst)
+    cfg = json.load(open(os.path.join(dst, "adapter_config.json")))
+    cfg.update(changes)
+    json.dump(cfg, open(os.path.join(dst, "adapter_config.json"), "w"))
+    return str(dst)
+
+
+def test_refusals_name_the_field(adapters, tmp_path):
+    base, paths = adapters("llama")
+    cases = [
+        (dict(max_lora_rank=4), paths["one"], "r 8 exceeds max_lora_rank 4"),
+        ({}, _edit_config(paths["one"], tmp_path / "dora", use_dora=True), "use_dora"),
+        ({}, _edit_config(paths["one"], tmp_path / "save", modules_to_save=["lm_head"]), "modules_to_save"),
+        ({}, _edit_config(paths["one"], tmp_path / "bias", bias="all"), "bias 'all'"),
+        ({}, _edit_config(paths["one"], tmp_path / "emb", target_modules=["embed_tokens"]),
+         "target_modules 'embed_tokens' is not supported"),
+        ({}, str(tmp_path / "missing"), "no adapter_config.json"),
+    ]
+    for options, path, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            LLM(base, lora_modules={"bad": path}, **options)
+        assert "'bad'" in str(e.value) and "\n" not in str(e.value)
+    for bad, message in [(["x"], "NAME=PATH"), (["a=p", "a=q"], "given twice"), ({"a b": "p"}, "without spaces")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(base, lora_modules=bad)
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(base, lora_modules=paths, max_loras=0)
+
+
+def test_lora_modules_forms(adapters):
+    from pagoda.engine.lora import parse_lora_modules
+    assert parse_lora_modules(["a=/p", '{"name": "b", "path": "/q"}']) == (("a", "/p"), ("b", "/q"))
+    assert parse_lora_modules({"a": "/p"}) == (("a", "/p"),)
