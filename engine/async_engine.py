@@ -10,13 +10,14 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 from collections.abc import AsyncIterator
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core_io import Abort, CoreFailed, EngineRequest, Queued, StepReport
-from pagoda.engine.errors import DuplicateRequestError, EngineClosedError, EngineError, QueueFullError, QueueWaitError
+from pagoda.engine.core_io import Abort, AdapterCommand, AdapterResult, CoreFailed, EngineRequest, Queued, StepReport
+from pagoda.engine.errors import AdapterNotFoundError, DuplicateRequestError, EngineClosedError, EngineError, QueueFullError, QueueWaitError
 from pagoda.engine.outputs import RequestOutput, merge
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import GrammarCompiler
@@ -45,9 +46,46 @@ class AsyncEngine:
         self._closed = False  # no new requests
         self._transport_open = True
         self.on_failure = None  # called with the error, from a worker thread, if the core dies
+        # LoRA adapters: those loaded (as last reported), those being unloaded, the commands in flight
+        self.adapters = {a.name: a for a in self.model_info.adapters}
+        self._unloading: set[str] = set()
+        self._adapter_calls: dict[int, tuple] = {}
+        self._adapter_tokens = itertools.count(1)
 
     def start(self) -> None:
         self._transport.start(self._on_report)
+
+    # ---- LoRA adapters (engine/lora.py) ----
+
+    def check_adapter(self, name: str | None) -> None:
+        """AdapterNotFoundError unless `name` (None: the base model) is loaded and not being unloaded."""
+        if name is not None and (name not in self.adapters or name in self._unloading):
+            raise AdapterNotFoundError(name)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter directory under `name` (ValueError naming what is wrong)."""
+        await self._adapter_call(AdapterCommand(next(self._adapter_tokens), "load", name, path))
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload an adapter: new requests for it are refused at once; returns once its requests in
+        flight have finished and it is gone."""
+        self.check_adapter(name)
+        self._unloading.add(name)
+        try:
+            await self._adapter_call(AdapterCommand(next(self._adapter_tokens), "unload", name))
+        finally:
+            self._unloading.discard(name)
+
+    async def _adapter_call(self, cmd: AdapterCommand) -> None:
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters are not enabled on this server (--lora-modules / --allow-lora-loading)")
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("the engine is shut down")
+            self._adapter_calls[cmd.token] = (asyncio.get_running_loop(), future)
+        self._transport.send(cmd)
+        await future
 
     # ---- requests ----
 
@@ -172,6 +210,7 @@ class AsyncEngine:
             if req.request_id in self._queues:
                 raise DuplicateRequestError("request_id", f"{req.request_id!r} is already used by a request in flight")
             self._check_time_limit(req)
+            self.check_adapter(req.adapter)  # an unload may have started since it was made
             queue: asyncio.Queue = asyncio.Queue()
             self._queues[req.request_id] = (asyncio.get_running_loop(), queue)
             self._unfinished[req.request_id] = req.params.n
@@ -208,6 +247,12 @@ class AsyncEngine:
             with self._lock:
                 self._num_waiting = report.num_waiting
                 self._num_pending -= report.num_taken
+        elif isinstance(report, AdapterResult):
+            self.adapters = {a.name: a for a in report.adapters}
+            with self._lock:
+                loop, future = self._adapter_calls.pop(report.token, (None, None))
+            if future is not None:
+                loop.call_soon_threadsafe(_settle_future, future, report.error)
         elif isinstance(report, CoreFailed):
             with self._lock:
                 self._closed = True
@@ -232,7 +277,10 @@ class AsyncEngine:
             outbox = [(loop, queue, error) for loop, queue in self._queues.values()]
             self._queues.clear()
             self._unfinished.clear()
+            calls, self._adapter_calls = list(self._adapter_calls.values()), {}
         hand_over(outbox)
+        for loop, future in calls:
+            loop.call_soon_threadsafe(_settle_future, future, error)
 
 
 async def consume(request_id: str, queue: asyncio.Queue, unfinished: int, abort) -> AsyncIterator[RequestOutput]:
@@ -324,3 +372,8 @@ async def whole_outputs(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> li
     if not all(out.finished for out in whole.values()):
         raise RuntimeError("the engine ended a request without a final output")
     return [(i, out) for (i, _), out in sorted(whole.items())]
+
+
+def _settle_future(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_result(None) if error is None else future.set_exception(error)

@@ -183,6 +183,7 @@ class EngineCore:
         self.adapters = None
         self.adapter_requests: dict[str, int] = {}  # per adapter: requests taken in (metrics)
         self.unloading: set[str] = set()  # adapters being unloaded: new requests refused, in-flight ones finish
+        self._unload_waiters: dict[str, list[int]] = {}  # adapter -> tokens of AdapterCommands waiting for it
         self._adapter_uid = 0
         if not self.config.enable_lora:
             return
@@ -218,14 +219,32 @@ class EngineCore:
         self.unloading.discard(name)
         return info
 
-    def remove_adapter(self, name: str) -> bool:
+    def remove_adapter(self, name: str) -> None:
         """Start unloading an adapter: new requests for it are refused from now on; it is gone once its
-        requests in flight have finished (finish_unloads). True when it is gone already."""
-        if self.adapters is None or name not in self.adapters.infos:
-            from pagoda.engine.errors import AdapterNotFoundError
-            raise AdapterNotFoundError(name)
+        requests in flight have finished (finish_unloads)."""
+        self.check_adapter(name)
         self.unloading.add(name)
-        return name in self.finish_unloads()
+
+    def adapter_command(self, cmd) -> list:
+        """A front-end's AdapterCommand: its AdapterResult now, or for an unload once it is done."""
+        from pagoda.engine.core_io import AdapterResult
+        try:
+            if cmd.op == "load":
+                self.add_adapter(cmd.name, cmd.path)
+            else:
+                self.remove_adapter(cmd.name)
+                self._unload_waiters.setdefault(cmd.name, []).append(cmd.token)
+                return self.adapter_results()
+        except ValueError as e:
+            return [AdapterResult(cmd.token, e, tuple(self.adapter_infos()))]
+        return [AdapterResult(cmd.token, None, tuple(self.adapter_infos()))]
+
+    def adapter_results(self) -> list:
+        """The unloads that completed (their requests in flight all finished), answered."""
+        from pagoda.engine.core_io import AdapterResult
+        done = self.finish_unloads()
+        infos = tuple(self.adapter_infos())
+        return [AdapterResult(t, None, infos) for name in done for t in self._unload_waiters.pop(name, [])]
 
     def finish_unloads(self) -> list[str]:
         """The adapters being unloaded that no request uses any more, unloaded now."""
@@ -417,14 +436,16 @@ class EngineCore:
                            s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0,
                            s.num_waiting_tokens, max(0, s.max_num_seqs - len(s.running)), s.max_num_batched_tokens, s.step_s,
                            finished_per_s(s.finish_times, now),
-                           *((spec.num_proposed, spec.num_accepted, spec.mean_accepted_length) if spec else ()))
+                           *((spec.num_proposed, spec.num_accepted, spec.mean_accepted_length) if spec else (0, 0, 0.0)),
+                           dict(self.adapter_requests), dict(s.adapter_tokens))
 
     def model_info(self) -> ModelInfo:
         c = self.config
         return ModelInfo(self.model_name, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
                          c.max_num_batched_tokens, c.max_queue_len, c.quantization or "",
-                         c.speculative_config.to_json() if c.speculative_config else "", c.deterministic)
+                         c.speculative_config.to_json() if c.speculative_config else "", c.deterministic,
+                         tuple(self.adapter_infos()))
 
 
 def _log_phase(phase: str, t0: float, what: str) -> None:

@@ -43,6 +43,16 @@ class Shutdown:
     pass
 
 
+@dataclass(frozen=True)
+class AdapterCommand:
+    """Load (op "load": name, path) or unload (op "unload": name) a LoRA adapter; answered by an
+    AdapterResult with the same token (an unload once its requests in flight have finished)."""
+    token: int
+    op: str
+    name: str
+    path: str = ""
+
+
 # ---- reports ----
 
 @dataclass(frozen=True)
@@ -78,3 +88,10 @@ class StepReport:
 @dataclass(frozen=True)
 class Closed:
     pass
+
+
+@dataclass(frozen=True)
+class AdapterResult:
+    token: int
+    error: BaseException | None  # why the command failed (ValueError, AdapterNotFoundError), or None
+    adapters: tuple  # the adapters loaded now (AdapterInfo)

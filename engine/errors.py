@@ -19,6 +19,7 @@ class InvalidRequestError(ValueError):
 
 class AdapterNotFoundError(InvalidRequestError):
     """A request for a LoRA adapter (a model name) that is not loaded (or is being unloaded)."""
+    reason = "model_not_found"  # OpenAI's error code
 
     def __init__(self, name: str, message: str | None = None):
         super().__init__("model", message or f"{name!r} does not exist (no such model or LoRA adapter loaded)")

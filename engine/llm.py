@@ -59,7 +59,8 @@ class LLM:
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unload an adapter (offline, nothing is in flight between generate calls)."""
-        if not self.engine.remove_adapter(name):
+        self.engine.remove_adapter(name)
+        if name not in self.engine.finish_unloads():
             raise EngineError(f"lora adapter {name!r} still has requests in flight")
 
 

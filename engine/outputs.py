@@ -122,6 +122,8 @@ class EngineStats:
     spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
     spec_accepted_tokens: int = 0  # of those, accepted
     spec_mean_accepted_length: float = 0.0  # tokens a sequence gains per verifying step (accepted + 1); 0: none
+    adapter_requests: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> requests taken in
+    adapter_tokens: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> tokens generated
 
 
 @dataclass(frozen=True)
@@ -140,3 +142,4 @@ class ModelInfo:
     quantization: str = ""  # "" (none) or "int8" (weight-only)
     speculative_config: str = ""  # speculative decoding's config as JSON; "" when off
     deterministic: bool = False  # EngineConfig.deterministic
+    adapters: tuple = ()  # the LoRA adapters loaded (engine/lora.py AdapterInfo), by name

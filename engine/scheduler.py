@@ -65,6 +65,7 @@ class Scheduler:
         self.step_s = 0.0  # seconds per step, a moving average
         self.finish_times: collections.deque = collections.deque(maxlen=64)
         self.adapters = adapters  # engine/lora.py AdapterSlots: LoRA slots of running sequences (None: no LoRA)
+        self.adapter_tokens: dict[str, int] = {}  # LoRA adapter name -> tokens generated (metrics)
 
     def add(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:  # first time: its limits start to count
@@ -231,6 +232,8 @@ class Scheduler:
         for token in tokens:
             seq.token_ids.append(token)
             self.num_generated_tokens += 1
+            if seq.adapter is not None:
+                self.adapter_tokens[seq.adapter] = self.adapter_tokens.get(seq.adapter, 0) + 1
             reason, error = check_stop(seq, self.max_model_len), None
             if reason is None and seq.matcher is not None:
                 reason, error = self.structured.accept(seq, token)

@@ -20,8 +20,8 @@ import threading
 from logging.handlers import QueueHandler, QueueListener
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core_io import (Abort, Closed, CoreFailed, CoreReady, EngineRequest, Queued, Shutdown,
-                                   StepReport)
+from pagoda.engine.core_io import (Abort, AdapterCommand, Closed, CoreFailed, CoreReady, EngineRequest, Queued,
+                                   Shutdown, StepReport)
 from pagoda.engine.core_outputs import failed_output
 from pagoda.engine.errors import EngineDeadError
 
@@ -47,6 +47,9 @@ def run_core(core, commands, report) -> None:
                 outputs += _add(core, cmd)
             elif isinstance(cmd, Abort):
                 outputs += core.abort(cmd.request_id)
+            elif isinstance(cmd, AdapterCommand):
+                for result in core.adapter_command(cmd):
+                    report(result)
         if not (outputs or num_added or core.has_work()):
             continue  # woke only to check the ranks
         try:
@@ -65,6 +68,9 @@ def run_core(core, commands, report) -> None:
         if num_added:
             report(Queued(core.num_waiting, num_added))
         report(StepReport(outputs, core.stats()))
+        if core.unloading:  # LoRA adapters whose last requests finished in this step
+            for result in core.adapter_results():
+                report(result)
 
 
 def _add(core, req: EngineRequest) -> list:

@@ -58,6 +58,26 @@ def _speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry, NAME=PATH or vLLM's JSON {"name": NAME, "path": PATH}."""
+    from pagoda.engine.lora import parse_lora_modules  # torch only once the engine loads
+
+    try:
+        return parse_lora_modules([text])[0]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("lora_modules: ")) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The serve flags; each defaults to its PAGODA_* environment variable (read now, not at import)."""
     from pagoda.engine.config import QUANTIZATIONS  # torch-free
@@ -118,6 +138,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--deterministic", "DETERMINISTIC", "bitwise the same tokens and logprobs for a request whatever else "
         "the server is doing (CPU; see the README's Reproducibility; default: off)", default="off", nargs="?",
         const="on", choices=["on", "off"])
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served on the model, each requested by NAME as the "
+                        "model (HTTP \"model\", gRPC adapter); also vLLM's JSON form '{\"name\": N, \"path\": P}'")
+    opt("--max-loras", "MAX_LORAS", "LoRA adapters resident at once; a request for another waits in the queue "
+        "for a free slot (default: 4)", type=_positive, default=4)
+    opt("--max-lora-rank", "MAX_LORA_RANK", "the largest LoRA rank accepted (default: 16)", type=_positive, default=16)
+    opt("--allow-lora-loading", "ALLOW_LORA_LOADING", "allow loading and unloading LoRA adapters at run time "
+        "(POST /v1/load_lora_adapter, gRPC LoadLoRAAdapter; default: off)", default="off", nargs="?", const="on",
+        choices=["on", "off"])
     opt("--grace-period", "GRACE_PERIOD", f"seconds in-flight calls get to finish on SIGTERM "
         f"(default: {DEFAULT_GRACE_S:g})", type=float, default=DEFAULT_GRACE_S)
     opt("--log-level", "LOG_LEVEL", "logging level (default: INFO)", default="INFO")
@@ -287,6 +316,10 @@ def engine_config(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=getattr(args, "speculative_config", None),
         deterministic=getattr(args, "deterministic", "off") == "on",
+        lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
+        max_loras=getattr(args, "max_loras", 4),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        allow_lora_loading=getattr(args, "allow_lora_loading", "off") == "on",
     )
 
 

@@ -9,8 +9,8 @@ import logging
 
 import grpc
 
-from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineError, InvalidRequestError,
-                                  QueueFullError)
+from pagoda.engine.errors import (AdapterNotFoundError, DuplicateRequestError, EngineClosedError, EngineError,
+                                  InvalidRequestError, QueueFullError)
 from pagoda.server.options import ServerOptions
 
 log = logging.getLogger("pagoda.server")
@@ -20,6 +20,7 @@ RETRY_HINT = "retry after a short backoff"
 
 HTTP_STATUS = {
     grpc.StatusCode.OK: 200, grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
@@ -41,6 +42,8 @@ def status_for(e: Exception) -> tuple[grpc.StatusCode, str]:
     """The one place exceptions become (status code, message); HTTP_STATUS gives the HTTP status."""
     if isinstance(e, ServerError):
         return e.code, e.message
+    if isinstance(e, AdapterNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(e)
     if isinstance(e, DuplicateRequestError):
         return grpc.StatusCode.ALREADY_EXISTS, str(e)
     if isinstance(e, InvalidRequestError):
@@ -92,6 +95,12 @@ class ServerState:
         if self.options.served_model_names:
             return list(self.options.served_model_names)
         return [self.engine.model_info.model_id] if self.engine is not None else []
+
+    def check_lora_loading(self) -> None:
+        """Loading and unloading LoRA adapters at run time is a privilege: PERMISSION_DENIED without the flag."""
+        if not (self.engine is not None and self.engine.config.allow_lora_loading):
+            raise ServerError(grpc.StatusCode.PERMISSION_DENIED, "loading and unloading LoRA adapters at run time is "
+                                                                 "off; start the server with --allow-lora-loading")
 
     def check_call_size(self, num_requests: int, field: str) -> None:
         """A call of more requests than the waiting queue can ever hold is refused outright (a 429

@@ -44,7 +44,8 @@ class OpenAIServer:
                 ("GET", "/v1/models", routes.models), ("GET", "/v1/models/{model_id:path}", routes.model),
                 ("POST", "/tokenize", routes.tokenize), ("POST", "/detokenize", routes.detokenize),
                 ("GET", "/health", routes.health), ("GET", "/stats", routes.stats), ("GET", "/version", routes.version),
-                ("GET", "/metrics", routes.metrics)):
+                ("GET", "/metrics", routes.metrics), ("POST", "/v1/load_lora_adapter", routes.load_lora_adapter),
+                ("POST", "/v1/unload_lora_adapter", routes.unload_lora_adapter)):
             for route in (path, path + "/"):
                 self.app.add_api_route(route, handler, methods=[method], include_in_schema=False)
 

@@ -9,7 +9,8 @@ from fastapi.responses import Response
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.server.state import HTTP_STATUS, status_for
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error",
                405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 # OpenAI's error.code (a string, or null) where an HTTP status has one word for every cause

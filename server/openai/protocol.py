@@ -140,6 +140,16 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict | None = None  # vLLM's: only engine/reasoning.py TEMPLATE_KWARGS (enable_thinking)
 
 
+class LoadLoRAAdapterRequest(_Fields):  # vLLM's POST /v1/load_lora_adapter
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Fields):  # vLLM's POST /v1/unload_lora_adapter
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; ignored
+
+
 class TokenizeRequest(_Fields):
     model: str | None = None
     prompt: str | None = None

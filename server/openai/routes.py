@@ -10,8 +10,9 @@ from fastapi.responses import Response
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.validation import check_text
 from pagoda.server.openai.chat import render_chat
-from pagoda.server.openai.errors import error_response
-from pagoda.server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pagoda.server.openai.errors import error_for, error_response
+from pagoda.server.openai.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                                           UnloadLoRAAdapterRequest)
 from pagoda.server.openai.serving import Serving, json_response
 from pagoda.server.state import SERVING, stats_dict
 
@@ -26,15 +27,38 @@ class Routes:
         return json_response({"status": self.state.phase}, 503)
 
     async def models(self) -> Response:
-        return self.serving.plain(lambda engine: {"object": "list", "data": [
-            _model_card(engine, name) for name in self.state.served_model_names()]})
+        """The base model under each served name, then each LoRA adapter with the base as its parent."""
+        def cards(engine):
+            names = self.state.served_model_names()
+            return {"object": "list", "data": [_model_card(engine, n) for n in names] + [
+                _model_card(engine, a, names[0]) for a in sorted(engine.adapters)]}
+        return self.serving.plain(cards)
 
     async def model(self, model_id: str) -> Response:
         """GET /v1/models/{id} (the SDK's models.retrieve)."""
         def card(engine):
-            self.serving.check_model(model_id)
-            return _model_card(engine, model_id)
+            adapter = self.serving.check_model(model_id)
+            return _model_card(engine, model_id, adapter and self.state.served_model_names()[0])
         return self.serving.plain(card)
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's POST /v1/load_lora_adapter (with --allow-lora-loading)."""
+        return await self._adapters(lambda engine: engine.load_adapter(body.lora_name, body.lora_path),
+                                    f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        """vLLM's POST /v1/unload_lora_adapter: answered once the adapter's requests in flight have finished."""
+        return await self._adapters(lambda engine: engine.unload_adapter(body.lora_name),
+                                    f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    async def _adapters(self, work, message: str) -> Response:
+        try:
+            self.state.check_lora_loading()
+            with self.state.admit(generation=False) as engine:
+                await work(engine)
+        except Exception as e:
+            return error_for(e)
+        return Response(message, media_type="text/plain")
 
     async def version(self) -> Response:
         from importlib.metadata import version
@@ -79,8 +103,10 @@ class Routes:
         return self.serving.plain(detokenize)
 
 
-def _model_card(engine, name: str) -> dict:
+def _model_card(engine, name: str, parent: str | None = None) -> dict:
+    """A model object; a LoRA adapter's names its base model as `parent` (vLLM's) and its directory as `root`."""
     loaded = int(time.time() - engine.stats().uptime_s)
-    return {"id": name, "object": "model", "created": loaded, "owned_by": "pagoda",
+    extra = {} if parent is None else {"parent": parent, "root": engine.adapters[name].path}
+    return {"id": name, "object": "model", "created": loaded, "owned_by": "pagoda", **extra,
             "max_model_len": engine.model_info.max_model_len, "deterministic": engine.model_info.deterministic,
             "speculative_config": json.loads(engine.model_info.speculative_config or "null")}

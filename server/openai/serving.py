@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -53,15 +54,17 @@ class Serving:
         stack = contextlib.AsyncExitStack()
         try:
             engine = stack.enter_context(self.state.admit(generation=True))
-            self.check_model(body.model)
+            adapter = self.check_model(body.model)
             record.request_id = rid = id_prefix + new_request_id()
             reqs = await self._make(body, make, engine, rid)
+            if adapter is not None:  # the model named is a LoRA adapter (engine/lora.py)
+                reqs = [dataclasses.replace(r, adapter=adapter) for r in reqs]
             outputs = open_requests(self.state, engine, reqs, record, stack, rid)
         except Exception as e:
             self._finish(record, status_for(e)[0])
             await stack.aclose()
             return error_for(e)
-        call = Call(rid, int(time.time()), self.model_id(), engine, reqs, Logprobs(engine.vocab))
+        call = Call(rid, int(time.time()), adapter or self.model_id(), engine, reqs, Logprobs(engine.vocab))
         if body.stream:
             return self._stream(chunks(call, outputs), record, stack, rid)
         return await self._whole(lambda outs: answer(call, outs), outputs, request, record, stack, rid)
@@ -108,12 +111,20 @@ class Serving:
         except Exception as e:
             return error_for(e)
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's "model" names (None: the base model); 404 model_not_found for
+        a name that is neither."""
         names = self.state.served_model_names()
-        if name is not None and name not in names:
-            raise ServerError(grpc.StatusCode.NOT_FOUND, f"model {name!r} does not exist; this server serves "
-                                                         f"{', '.join(map(repr, names))} (GET /v1/models)",
-                              reason="model_not_found")
+        if name is None or name in names:
+            return None
+        engine = self.state.engine
+        if engine is not None and name in engine.adapters:
+            engine.check_adapter(name)  # being unloaded: not found either
+            return name
+        served = names + (sorted(engine.adapters) if engine is not None else [])
+        raise ServerError(grpc.StatusCode.NOT_FOUND, f"model {name!r} does not exist; this server serves "
+                                                     f"{', '.join(map(repr, served))} (GET /v1/models)",
+                          reason="model_not_found")
 
     def model_id(self) -> str:
         names = self.state.served_model_names()
