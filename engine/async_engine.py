@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core_io import Abort, AdapterCommand, AdapterResult, CoreFailed, EngineRequest, Queued, StepReport
-from pagoda.engine.errors import AdapterNotFoundError, DuplicateRequestError, EngineClosedError, EngineError, QueueFullError, QueueWaitError
+from pagoda.engine.errors import (AdapterLoadError, AdapterNotFoundError, DuplicateRequestError, EngineClosedError,
+                                 EngineError, InvalidRequestError, QueueFullError, QueueWaitError)
 from pagoda.engine.outputs import RequestOutput, merge
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import GrammarCompiler
@@ -78,14 +79,19 @@ class AsyncEngine:
 
     async def _adapter_call(self, cmd: AdapterCommand) -> None:
         if not self.config.enable_lora:
-            raise ValueError("LoRA adapters are not enabled on this server (--lora-modules / --allow-lora-loading)")
+            raise AdapterLoadError("LoRA adapters are not enabled on this server (--lora-modules / --allow-lora-loading)")
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             if self._closed:
                 raise EngineClosedError("the engine is shut down")
             self._adapter_calls[cmd.token] = (asyncio.get_running_loop(), future)
         self._transport.send(cmd)
-        await future
+        try:
+            await future
+        except InvalidRequestError:
+            raise
+        except ValueError as e:
+            raise AdapterLoadError(str(e)) from None
 
     # ---- requests ----
 

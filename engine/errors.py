@@ -29,6 +29,17 @@ class AdapterNotFoundError(InvalidRequestError):
         return type(self), (self.name, self.message)
 
 
+class AdapterLoadError(InvalidRequestError):
+    """A LoRA adapter that cannot be loaded (its files, its config, a name in use), in one line."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.field, self.message = "lora_path", message
+
+    def __reduce__(self):
+        return type(self), (self.message,)
+
+
 class DuplicateRequestError(InvalidRequestError):
     """A request id that is already in flight."""
 

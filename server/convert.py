@@ -6,6 +6,7 @@ becomes the request field a client spells: "stopping.max_tokens must be >= 1, go
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from pagoda.engine.core_io import EngineRequest
@@ -68,7 +69,16 @@ def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engin
     prompt of `prompts` (ids suffixed -0, -1, ...). Raises InvalidRequestError naming the request's
     field. `request_id` (e.g. from x-request-id metadata) applies when the request's own is empty.
     Rendering and tokenizing a long prompt takes a while: the servicer calls this in a thread for
-    large prompts."""
+    large prompts. A request's `adapter` (a LoRA adapter's name) must be loaded (else NOT_FOUND)."""
+    adapter = req.adapter if req.HasField("adapter") else None
+    if adapter is not None:
+        engine.check_adapter(adapter)
+    reqs = _engine_requests(req, engine, limits, request_id, options)
+    return reqs if adapter is None else [dataclasses.replace(r, adapter=adapter) for r in reqs]
+
+
+def _engine_requests(req, engine, limits: RequestLimits, request_id: str | None,
+                     options: ServerOptions | None) -> list[EngineRequest]:
     which = req.WhichOneof("prompt")
     rid = req.request_id or request_id
     try:
@@ -291,9 +301,13 @@ def _choice(req, o) -> pb.Choice:
 
 def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: RequestLimits = DEFAULT_LIMITS,
                max_message_bytes: int = 0, max_concurrent_streams: int = 0,
-               request_timeout: float = 0.0, max_queue_wait: float | None = None) -> pb.GetModelInfoResponse:
+               request_timeout: float = 0.0, max_queue_wait: float | None = None,
+               lora: tuple[int, int] = (0, 0)) -> pb.GetModelInfoResponse:
+    """lora: (max_loras, max_lora_rank), zeros when LoRA is off; info.adapters: those loaded."""
     context = info.max_model_len
     return pb.GetModelInfoResponse(
+        adapters=[pb.LoRAAdapter(name=a.name, path=a.path, rank=a.rank, parent=info.model_id or "")
+                  for a in info.adapters],
         model_id=info.model_id or "",
         architecture=info.architecture,
         dtype=info.dtype,
@@ -326,5 +340,7 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits
             max_grammar_bytes=limits.max_grammar_bytes or 0,
             grammar_compile_timeout_seconds=limits.grammar_compile_timeout or 0.0,
             max_queue_wait_seconds=max_queue_wait or 0.0,
+            max_loras=lora[0],
+            max_lora_rank=lora[1],
         ),
     )

@@ -58,6 +58,13 @@ class EngineCollector:
                 ("pagoda_spec_accepted_tokens", "speculative decoding: proposed tokens accepted",
                  s.spec_accepted_tokens)):
             yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, values in (
+                ("pagoda_lora_requests", "requests taken in, by LoRA adapter", s.adapter_requests),
+                ("pagoda_lora_generation_tokens", "tokens generated, by LoRA adapter", s.adapter_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["adapter"])
+            for adapter, value in sorted(values.items()):
+                family.add_metric([adapter], value)
+            yield family
 
 
 class Metrics:

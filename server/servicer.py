@@ -212,13 +212,28 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
     async def GetModelInfo(self, request, context):
         async with self._call(context, "GetModelInfo", request) as engine:
             o = self.state.options
-            info = dataclasses.replace(engine.model_info, model_id=self.state.served_model_names()[0])
+            info = dataclasses.replace(engine.model_info, model_id=self.state.served_model_names()[0],
+                                       adapters=tuple(a for _, a in sorted(engine.adapters.items())))
+            c = engine.config
             return convert.model_info(info, limits=self.state.limits,
                                       max_message_bytes=o.max_message_bytes,
                                       max_concurrent_streams=o.max_concurrent_streams,
                                       request_timeout=o.request_timeout,
-                                      max_queue_wait=engine.config.max_queue_wait_s)
+                                      max_queue_wait=engine.config.max_queue_wait_s,
+                                      lora=(c.max_loras, c.max_lora_rank) if c.enable_lora else (0, 0))
 
     async def GetStats(self, request, context):
         async with self._call(context, "GetStats", request) as engine:
             return pb.GetStatsResponse(**stats_dict(engine.stats()))
+
+    async def LoadLoRAAdapter(self, request, context):
+        async with self._call(context, "LoadLoRAAdapter", request) as engine:
+            self.state.check_lora_loading()
+            await engine.load_adapter(request.name, request.path)
+            return pb.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request, context):
+        async with self._call(context, "UnloadLoRAAdapter", request) as engine:
+            self.state.check_lora_loading()
+            await engine.unload_adapter(request.name)
+            return pb.UnloadLoRAAdapterResponse()

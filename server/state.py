@@ -70,7 +70,8 @@ def stats_dict(s) -> dict:
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "queue_wait_estimate_seconds": s.queue_wait_s(),
             "step_seconds": s.step_s, "finished_per_second": s.finished_per_s,
             "spec_proposed_tokens": s.spec_proposed_tokens,
-            "spec_accepted_tokens": s.spec_accepted_tokens, "spec_mean_accepted_length": s.spec_mean_accepted_length}
+            "spec_accepted_tokens": s.spec_accepted_tokens, "spec_mean_accepted_length": s.spec_mean_accepted_length,
+            "adapter_requests": dict(s.adapter_requests), "adapter_generated_tokens": dict(s.adapter_tokens)}
 
 
 class ServerState:

@@ -179,7 +179,7 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output", "time_limit_ms", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output", "time_limit_ms", "tools", "tool_choice", "parallel_tool_calls", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -218,10 +219,11 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., time_limit_ms: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., time_limit_ms: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output", "time_limit_ms", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "prompts", "sampling", "stopping", "logprobs", "top_logprobs", "priority", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "echo", "structured_output", "time_limit_ms", "tools", "tool_choice", "parallel_tool_calls", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +243,7 @@ class GenerateStreamRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -260,7 +263,8 @@ class GenerateStreamRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., time_limit_ms: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompts: _Optional[_Union[Prompts, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., echo: _Optional[bool] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., time_limit_ms: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -385,7 +389,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_num_seqs", "max_num_batched_tokens", "max_queue_len", "default_max_tokens", "max_top_logprobs", "max_prompt_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_len", "max_stop_token_ids", "max_message_bytes", "max_concurrent_streams", "request_timeout_seconds", "max_logit_bias", "max_bad_words", "max_n", "max_prompt_logprobs", "max_grammar_bytes", "grammar_compile_timeout_seconds", "max_queue_wait_seconds")
+    __slots__ = ("max_num_seqs", "max_num_batched_tokens", "max_queue_len", "default_max_tokens", "max_top_logprobs", "max_prompt_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_len", "max_stop_token_ids", "max_message_bytes", "max_concurrent_streams", "request_timeout_seconds", "max_logit_bias", "max_bad_words", "max_n", "max_prompt_logprobs", "max_grammar_bytes", "grammar_compile_timeout_seconds", "max_queue_wait_seconds", "max_loras", "max_lora_rank")
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +410,8 @@ class ServerLimits(_message.Message):
     MAX_GRAMMAR_BYTES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_COMPILE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     max_num_seqs: int
     max_num_batched_tokens: int
     max_queue_len: int
@@ -426,10 +432,12 @@ class ServerLimits(_message.Message):
     max_grammar_bytes: int
     grammar_compile_timeout_seconds: float
     max_queue_wait_seconds: float
-    def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_len: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., request_timeout_seconds: _Optional[float] = ..., max_logit_bias: _Optional[int] = ..., max_bad_words: _Optional[int] = ..., max_n: _Optional[int] = ..., max_prompt_logprobs: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., grammar_compile_timeout_seconds: _Optional[float] = ..., max_queue_wait_seconds: _Optional[float] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_len: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., request_timeout_seconds: _Optional[float] = ..., max_logit_bias: _Optional[int] = ..., max_bad_words: _Optional[int] = ..., max_n: _Optional[int] = ..., max_prompt_logprobs: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., grammar_compile_timeout_seconds: _Optional[float] = ..., max_queue_wait_seconds: _Optional[float] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "dtype", "context_length", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "limits", "quantization", "speculative_config", "deterministic")
+    __slots__ = ("model_id", "architecture", "dtype", "context_length", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "limits", "quantization", "speculative_config", "deterministic", "adapters")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -442,6 +450,7 @@ class GetModelInfoResponse(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     dtype: str
@@ -454,14 +463,63 @@ class GetModelInfoResponse(_message.Message):
     quantization: str
     speculative_config: str
     deterministic: bool
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., speculative_config: _Optional[str] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., speculative_config: _Optional[str] = ..., deterministic: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank", "parent")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    parent: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_seconds", "finished_per_second", "spec_proposed_tokens", "spec_accepted_tokens", "spec_mean_accepted_length")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_seconds", "finished_per_second", "spec_proposed_tokens", "spec_accepted_tokens", "spec_mean_accepted_length", "adapter_requests", "adapter_generated_tokens")
+    class AdapterRequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class AdapterGeneratedTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -480,6 +538,8 @@ class GetStatsResponse(_message.Message):
     SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -498,4 +558,6 @@ class GetStatsResponse(_message.Message):
     spec_proposed_tokens: int
     spec_accepted_tokens: int
     spec_mean_accepted_length: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., finished_per_second: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ...) -> None: ...
+    adapter_requests: _containers.ScalarMap[str, int]
+    adapter_generated_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., finished_per_second: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., adapter_requests: _Optional[_Mapping[str, int]] = ..., adapter_generated_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -60,6 +60,16 @@ class GenerationServiceStub:
                 request_serializer=pagoda_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pagoda.v1.GenerationService/LoadLoRAAdapter',
+                request_serializer=pagoda_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_generation__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pagoda.v1.GenerationService/UnloadLoRAAdapter',
+                request_serializer=pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -103,6 +113,22 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Loads a LoRA adapter (a PEFT directory on the server) under a name requests give as `adapter`.
+        Needs --allow-lora-loading (else PERMISSION_DENIED); a bad adapter is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unloads a LoRA adapter: new requests for it get NOT_FOUND at once; answers once its requests
+        in flight have finished. Needs --allow-lora-loading (else PERMISSION_DENIED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +156,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pagoda_dot_v1_dot_generation__pb2.GetStatsRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_generation__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=pagoda_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_generation__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +304,60 @@ class GenerationService:
             '/pagoda.v1.GenerationService/GetStats',
             pagoda_dot_v1_dot_generation__pb2.GetStatsRequest.SerializeToString,
             pagoda_dot_v1_dot_generation__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.GenerationService/LoadLoRAAdapter',
+            pagoda_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pagoda_dot_v1_dot_generation__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.GenerationService/UnloadLoRAAdapter',
+            pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
