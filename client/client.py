@@ -65,12 +65,13 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
                   bad_words: Iterable[str] = (), prompt_logprobs: int | None = None, echo: bool = False,
                   prompts: Iterable[str | Sequence[int]] | None = None, json_schema: str | dict | None = None,
                   json_object: bool = False, regex: str | None = None, choice: Iterable[str] | None = None,
-                  grammar: str | None = None, time_limit_ms: int | None = None):
+                  grammar: str | None = None, time_limit_ms: int | None = None, adapter: str | None = None):
     """A GenerateRequest (or GenerateStreamRequest with stream=True). The prompt is text (str), token
     ids (a sequence of ints) or `messages`: (role, content) pairs or {"role", "content"} dicts; or
     `prompts`, several texts or token id lists completed in one call (one result each, in order).
     A structured output: `json_schema` (a dict or its JSON text), `json_object`, `regex`, `choice` or
-    `grammar` (Lark). None leaves a field unset, so the server's default applies."""
+    `grammar` (Lark). `adapter`: a LoRA adapter loaded on the server, by name. None leaves a field
+    unset, so the server's default applies."""
     req = pb.GenerateStreamRequest() if stream else pb.GenerateRequest()
     req.request_id = request_id
     if messages is not None:
@@ -131,6 +132,8 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
         so.choice.choices.extend(choice)
     if grammar is not None:
         so.grammar = grammar
+    if adapter is not None:
+        req.adapter = adapter
     return req
 
 
@@ -308,6 +311,15 @@ class Client(_Base):
 
     def stats(self, *, timeout: float | None = None) -> pb.GetStatsResponse:
         return self.stub.GetStats(pb.GetStatsRequest(), timeout=self._t(timeout), metadata=self._md())
+
+    def load_lora_adapter(self, name: str, path: str, *, timeout: float | None = None) -> None:
+        self.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(name=name, path=path), timeout=self._t(timeout),
+                                  metadata=self._md())
+
+    def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Returns once the adapter's requests in flight have finished and it is gone."""
+        self.stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(name=name), timeout=self._t(timeout),
+                                    metadata=self._md())
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """"SERVING", "NOT_SERVING", ... (grpc.health.v1) for the whole server ("") or a service."""
