@@ -110,7 +110,8 @@ def test_service_methods():
     svc = pb.DESCRIPTOR.services_by_name["GenerationService"]
     assert svc.full_name == "pagoda.v1.GenerationService"
     methods = {m.name: m for m in svc.methods}
-    assert set(methods) == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "GetStats"}
+    assert set(methods) == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "GetStats", "LoadLoRAAdapter",
+                            "UnloadLoRAAdapter"}
     assert methods["GenerateStream"].server_streaming and not methods["GenerateStream"].client_streaming
     assert not methods["Generate"].server_streaming
 

@@ -259,3 +259,41 @@ def test_lora_modules_forms(adapters):
     from pagoda.engine.lora import parse_lora_modules
     assert parse_lora_modules(["a=/p", '{"name": "b", "path": "/q"}']) == (("a", "/p"), ("b", "/q"))
     assert parse_lora_modules({"a": "/p"}) == (("a", "/p"),)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_two_ranks_match_peft(adapters, family):
+    """Tensor parallelism (gloo, 2 ranks): A/B sharded like their layers (column-parallel: B's rows;
+    row-parallel: A's columns, each rank's partial update summed by the layer's all-reduce)."""
+    base, paths = adapters(family)
+    llm = LLM(base, lora_modules=paths, max_loras=2, tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        prompts = _prompts(llm.engine.hf_config.vocab_size)[:4]
+        names = [None, "one", "two", "three"]
+        outs = llm.generate(prompts, _greedy(), adapter=names)
+        for p, a, o in zip(prompts, names, outs):
+            assert o.token_ids == reference(base, None if a is None else paths[a], [p])[0], a
+        _assert_clean(llm)
+    finally:
+        llm.engine.close()
+
+
+def test_speculative_decoding_and_structured_outputs_with_adapters(adapters):
+    """n-gram speculation verifies its proposals with the request's adapter applied to every query row:
+    the output stays PEFT's. A structured output under an adapter keeps to its grammar."""
+    base, paths = adapters("llama")
+    llm = LLM(base, lora_modules=paths, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    rng = random.Random(7)
+    motif = [rng.randrange(3, 200) for _ in range(6)]
+    prompts = [motif * 4, motif * 3 + [9]]  # repetitive: the n-gram lookup proposes
+    names = ["one", "two"]
+    outs = llm.generate(prompts, _greedy(), adapter=names)
+    for p, a, o in zip(prompts, names, outs):
+        assert o.token_ids == reference(base, paths[a], [p])[0], a
+    assert llm.engine.speculator.num_proposed > 0
+    choices = ["yes", "no", "maybe"]
+    out = llm.generate(["Answer:"], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": choices}),
+                       adapter="one")[0]
+    assert out.text in choices
+    _assert_clean(llm)
