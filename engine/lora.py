@@ -4,11 +4,13 @@ Three pieces, one home:
 - `read_adapter_config`: PEFT's adapter_config.json checked (what is not supported is refused in one
   line naming the field) -> AdapterInfo.
 - `LoRAModel` (one per rank, owned by the ModelRunner): every targetable linear layer gets stacked
-  buffers for `max_loras` resident slots (A: [slices, slots, max_rank, in], B: [out, slots, max_rank],
-  the scaling folded into B, a smaller rank zero-padded). Each step the runner gives it the slot of
-  every token row; every layer then adds the rows' updates in one vectorised pass over the step's
-  active slots: xa = x @ A_active^T, masked so that each row keeps its own slot's block, then
-  y += xa @ B_active^T (per fused slice: q|k|v, gate|up). No row uses an adapter: nothing runs.
+  buffers for `max_loras` resident slots (A: [slots, slices * max_rank, in], B per slice: [slots,
+  out, max_rank], the scaling folded into B, a smaller rank zero-padded). Each step the runner groups
+  the adapter rows by slot on the host (`step_slots`: k groups padded to the largest, no sort) and
+  sends that layout with the step's other inputs; every layer then adds the rows' updates in one
+  vectorised pass: gather the rows into [k, width, in], two batched matmuls with the k active slots'
+  A and B (per fused slice: q|k|v, gate|up), index_add into the base output. No row uses an adapter:
+  nothing runs. Each row costs r * (in + out) multiply-adds per slice (padding aside).
   Under tensor parallelism A and B are sharded like the base layer: a column-parallel layer's B
   holds this rank's output rows (A whole); a row-parallel layer's A holds this rank's input columns
   (B whole), and each rank's partial x_r A_r^T B^T is added before the layer's all-reduce.
@@ -129,10 +131,25 @@ def read_adapter_config(name: str, path: str, max_rank: int, targetable: set[str
     return AdapterInfo(name, path, r, float(alpha), scaling, leaves, uid)
 
 
+@dataclass(frozen=True)
+class LoRAStep:
+    """A step's adapter rows, grouped by slot (host side; crosses to tensor-parallel ranks): the rows of
+    the k active slots are laid out in k groups of `width` (padded), `packed` holding, flat, the padded
+    layout's source rows [k * width] (padding: row 0), the adapter rows [m], and when there is padding,
+    their positions in the padded layout [m]."""
+    slots: tuple[int, ...]
+    width: int
+    num_rows: int
+    packed: object  # np.ndarray, int64
+
+
 class StepState:
-    """What every LoRA layer reads in a step: the active slots, and which of them each row uses."""
-    slots: tuple[int, ...] = ()  # the step's distinct slots in use (host); () : no adapter this step
-    mask: torch.Tensor | None = None  # [num_tokens, len(slots) * max_rank]: 1 where the row's slot's block is
+    """What every LoRA layer reads in a step (set by LoRAModel.set_step)."""
+    slots: tuple[int, ...] = ()  # the step's distinct slots in use
+    gather: torch.Tensor | None = None  # [k * width]: the rows of x in the padded per-slot layout; None: no adapter
+    rows: torch.Tensor | None = None  # [m]: the batch row of each adapter row (no padding: gather itself)
+    valid: torch.Tensor | None = None  # [m]: its position in the padded layout; None: no padding
+    width = 0
     version = 0  # bumped whenever a slot's weights change (layers cache their active selection)
 
 
@@ -143,52 +160,55 @@ class LoRASlots:
         out, inp = layer.out_features, layer.in_features
         offsets = getattr(layer, "shard_offsets", (0,))
         self.slices = [(a, b - a) for a, b in zip(offsets, (*offsets[1:], out))]  # (first row, rows) per piece
-        self.dtype = dtype
-        self.A = torch.zeros(len(self.slices), num_slots, rank, inp, dtype=dtype, device=device)
-        self.B = [torch.zeros(n, num_slots, rank, dtype=dtype, device=device) for _, n in self.slices]
+        self.dtype, self.rank, self.state = dtype, rank, state
+        # A: [slots, slices * rank, in] (slice i's rows i*rank..); B: per slice [slots, out_slice, rank]
+        self.A = torch.zeros(num_slots, len(self.slices) * rank, inp, dtype=dtype, device=device)
+        self.B = [torch.zeros(num_slots, n, rank, dtype=dtype, device=device) for _, n in self.slices]
         self.has = [False] * num_slots  # slot holds a non-empty update for this layer
-        self.state, self.rank = state, rank
         self._cache = (None, None)
 
     def set(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """pieces: per slice, (A [r, in], B [out_slice, r] scaled) of this rank, or None (no update)."""
-        self.A[:, slot].zero_()
+        self.A[slot].zero_()
         for b in self.B:
-            b[:, slot].zero_()
+            b[slot].zero_()
         for i, p in enumerate(pieces):
             if p is not None:
                 a, b = p
-                self.A[i, slot, :a.shape[0]].copy_(a)
-                self.B[i][:, slot, :b.shape[1]].copy_(b)
+                self.A[slot, i * self.rank:i * self.rank + a.shape[0]].copy_(a)
+                self.B[i][slot, :, :b.shape[1]].copy_(b)
         self.has[slot] = any(p is not None for p in pieces)
 
     def _active(self):
-        """(A [slices * k * rank, in], [B [out_slice, k * rank]] per slice) of the step's active slots,
-        or None when none of them touches this layer; cached while the slots stay the same."""
+        """(A [k, slices * rank, in], [B [k, out_slice, rank]] per slice) of the step's active slots, or
+        None when none of them touches this layer; cached while the slots stay the same."""
         st = self.state
         key = (st.slots, st.version)
         if self._cache[0] != key:
             sel = None
             if any(self.has[s] for s in st.slots):
-                k, idx = len(st.slots), torch.tensor(st.slots, device=self.A.device)
-                a = self.A.index_select(1, idx).reshape(-1, self.A.shape[-1])
-                sel = a, [b.index_select(1, idx).reshape(b.shape[0], k * self.rank) for b in self.B]
+                idx = torch.tensor(st.slots, device=self.A.device)
+                sel = self.A.index_select(0, idx), [b.index_select(0, idx) for b in self.B]
             self._cache = (key, sel)
         return self._cache[1]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # x: [n, in], y: [n, out] (the base layer's output)
-        if self.state.mask is None:
+        st = self.state
+        if st.gather is None:
             return y
         sel = self._active()
         if sel is None:
             return y
         a, bs = sel
-        xa = (x.to(self.dtype) @ a.t()).view(x.shape[0], len(bs), -1)  # [n, slices, k * rank]
-        xa = xa * self.state.mask[:, None, :]
-        for i, ((first, n), b) in enumerate(zip(self.slices, bs)):
-            y[:, first:first + n] += (xa[:, i] @ b.t()).to(y.dtype)
-        return y
+        k, r = a.shape[0], self.rank
+        xg = x.index_select(0, st.gather).view(k, st.width, -1).to(self.dtype)  # [k, width, in]
+        xa = torch.bmm(xg, a.transpose(1, 2))  # [k, width, slices * rank]
+        parts = [torch.bmm(xa[..., i * r:(i + 1) * r], b.transpose(1, 2)) for i, b in enumerate(bs)]
+        delta = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(k * st.width, -1)  # [k*width, out]
+        if st.valid is not None:
+            delta = delta.index_select(0, st.valid)
+        return y.index_add_(0, st.rows, delta.to(y.dtype))
 
 
 class LoRAModel:
@@ -223,28 +243,39 @@ class LoRAModel:
             layer.set(slot, [None if p is None else (p[0], p[1] * scaling) for p in pieces])
         self.state.version += 1
 
-    def set_step(self, slots: tuple[int, ...], token_pos: torch.Tensor | None) -> None:
-        """The step's active slots and, per token row, its slot's index among them (-1: the base)."""
+    def set_step(self, step: LoRAStep | None, packed: torch.Tensor | None) -> None:
+        """The step's adapter rows (LoRAStep; packed: its arrays on the device), or None: no adapter."""
         st = self.state
-        if not slots:
-            st.slots, st.mask = (), None
+        if step is None:
+            st.slots, st.gather, st.rows, st.valid = (), None, None, None
             return
-        k = len(slots)
-        onehot = (token_pos[:, None] == torch.arange(k, device=token_pos.device)).to(self.dtype)  # [n, k]
-        st.slots, st.mask = tuple(slots), onehot.repeat_interleave(self.max_rank, dim=1)  # [n, k * rank]
+        k, m = len(step.slots), step.num_rows
+        st.slots, st.width = step.slots, step.width
+        st.gather, st.rows = packed[:k * step.width], packed[k * step.width:k * step.width + m]
+        st.valid = packed[k * step.width + m:] if packed.shape[0] > k * step.width + m else None
+        if st.valid is None:  # no padding: the layout's rows are the adapter rows, in its order
+            st.rows = st.gather
 
 
-def step_slots(seq_slots, counts):
-    """Host side, with the step's other inputs: (active slots, per token row its index among them or
-    -1) from each sequence's slot (-1: no adapter) and its query rows; ((), None) without adapters."""
+def step_slots(seq_slots, counts) -> LoRAStep | None:
+    """Host side, with the step's other inputs: each sequence's slot (-1: no adapter) and query rows ->
+    the step's adapter rows grouped by slot (no sort: a row's place in its group is a running count)."""
     import numpy as np
     seq_slots = np.asarray(seq_slots, dtype=np.int64)
     if not (seq_slots >= 0).any():
-        return (), None
-    active = np.unique(seq_slots[seq_slots >= 0])
-    lut = np.full(int(active.max()) + 2, -1, dtype=np.int64)
-    lut[active] = np.arange(len(active))
-    return tuple(int(s) for s in active), np.repeat(lut[seq_slots], counts)
+        return None
+    row_slot = np.repeat(seq_slots, counts)  # per token row
+    rows = np.flatnonzero(row_slot >= 0)
+    active = np.unique(row_slot[rows])
+    group = np.searchsorted(active, row_slot[rows])  # [m]: index among the active slots
+    onehot = group[:, None] == np.arange(len(active))  # [m, k]
+    within = onehot.cumsum(axis=0)[np.arange(len(rows)), group] - 1
+    width = int(onehot.sum(axis=0).max())
+    flat = group * width + within  # [m]: position in the padded layout
+    gather = np.zeros(len(active) * width, dtype=np.int64)
+    gather[flat] = rows
+    parts = [gather, rows] + ([flat] if len(rows) < len(gather) else [])
+    return LoRAStep(tuple(int(s) for s in active), width, len(rows), np.concatenate(parts))
 
 
 def targetable_modules(model) -> set[str]:

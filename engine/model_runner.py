@@ -163,8 +163,7 @@ class ModelRunner:
 
         meta = AttentionMetadata(**{k: dev(v) for k, v in step.meta.items()})
         if self.lora is not None:
-            slots, rows = step.lora or ((), None)
-            self.lora.set_step(slots, None if rows is None else dev(rows))
+            self.lora.set_step(step.lora, None if step.lora is None else dev(step.lora.packed))
         hidden = self.model(dev(step.input_ids), dev(step.positions), meta)
         for rows in step.logits_rows:
             self._logits(hidden, slice(*rows) if isinstance(rows, tuple) else dev(rows))
@@ -190,7 +189,7 @@ class ModelRunner:
         if not sample_seqs and not scored:
             self._forward(input_ids, positions, meta, [])  # prefill chunks only: nothing to sample
             return StepResult([])
-        no_lora = self.lora is None or self.lora.state.mask is None  # graphs are captured without adapters
+        no_lora = self.lora is None or self.lora.state.gather is None  # graphs are captured without adapters
         if graphs is not None and not scored and no_lora and meta.num_decode_tokens == len(seqs) <= graphs.max_batch:
             logits = graphs.run(input_ids, positions, meta)  # a decode row per sequence
             logits = logits if logits_idx is None else logits[logits_idx]
@@ -291,10 +290,9 @@ class ModelRunner:
         logits_idx = None if num_tokens == len(seqs) and num_sampled.all() else _sample_rows(counts, num_sampled)
         meta = self._attention_metadata(slots, tables, counts, ends, num_decodes)
         logits_idx = None if logits_idx is None else self._to_device(logits_idx, torch.int64)
-        if self.lora is not None:  # each token row's adapter slot, among the step's active ones
-            self._lora_step = step_slots([s.lora_slot for s in seqs], counts)
-            rows = self._lora_step[1]
-            self.lora.set_step(self._lora_step[0], None if rows is None else self._to_device(rows, torch.int64))
+        if self.lora is not None:  # the adapter rows, grouped by slot
+            step = self._lora_step = step_slots([s.lora_slot for s in seqs], counts)
+            self.lora.set_step(step, None if step is None else self._to_device(step.packed, torch.int64))
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, logits_idx
 
     def _attention_metadata(self, slots, tables, counts, ends, num_decodes: int) -> AttentionMetadata:

@@ -47,7 +47,7 @@ class StepInputs:
     positions: np.ndarray
     meta: dict  # AttentionMetadata's fields, tensors as numpy arrays
     logits_rows: list
-    lora: tuple | None = None  # LoRA: (active slots, per-row index among them as an array), or None
+    lora: object = None  # engine/lora.py LoRAStep: the step's adapter rows, or None
 
 
 def to_host(t: torch.Tensor | None):

@@ -152,7 +152,7 @@ def test_no_adapter_step_runs_no_lora(adapters):
     got = [o.token_ids for o in llm.generate(prompts, _greedy())]
     exp = reference(base, None, prompts)
     assert got == exp
-    assert llm.engine.runner.lora.state.mask is None
+    assert llm.engine.runner.lora.state.gather is None
 
 
 def test_int8_base_with_adapter_equals_adapter_on_dequantized_weights(adapters, tmp_path):
@@ -297,3 +297,17 @@ def test_speculative_decoding_and_structured_outputs_with_adapters(adapters):
                        adapter="one")[0]
     assert out.text in choices
     _assert_clean(llm)
+
+
+def test_step_rows_grouped_by_slot_without_sorting():
+    from pagoda.engine.lora import step_slots
+    # sequences' slots and query rows: rows 0 | 1 (base) | 2 3 4 | 5 | 6 7 | 8
+    step = step_slots([0, -1, 2, 0, 2, 1], [1, 1, 3, 1, 2, 1])
+    assert step.slots == (0, 1, 2) and step.width == 5 and step.num_rows == 8
+    gather, rows, flat = step.packed[:15], step.packed[15:23], step.packed[23:]
+    assert gather.tolist() == [0, 5, 0, 0, 0, 8, 0, 0, 0, 0, 2, 3, 4, 6, 7]  # padded with row 0
+    assert rows.tolist() == [0, 2, 3, 4, 5, 6, 7, 8]
+    assert gather[flat].tolist() == rows.tolist()
+    assert step_slots([-1, -1], [3, 1]) is None
+    even = step_slots([1, 0, 1, 0], [1, 1, 1, 1])  # no padding: the layout alone
+    assert even.width == 2 and len(even.packed) == 4 + 4
