@@ -71,6 +71,8 @@ def test_both_doors_match_peft_per_adapter_and_mixed(setup, oai, client):
                                        max_tokens=MAX_NEW, temperature=0)
     over_grpc = client.generate(messages=[("user", "héllo")], max_tokens=MAX_NEW, temperature=0, adapter="one")
     assert chat.choices[0].message.content == over_grpc.text and chat.model == "one"
+    resp = oai.responses.create(model="one", input="héllo", max_output_tokens=MAX_NEW, temperature=0)
+    assert resp.output_text == over_grpc.text and resp.model == "one"
     plain = client.generate(messages=[("user", "héllo")], max_tokens=MAX_NEW, temperature=0)
     assert plain.text != over_grpc.text
     wait_all_blocks_free(client)
