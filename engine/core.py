@@ -10,7 +10,7 @@ from pagoda.engine import parallel
 from pagoda.engine.block_manager import BlockManager
 from pagoda.engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
-from pagoda.engine.errors import EngineDeadError
+from pagoda.engine.errors import AdapterNotFoundError, EngineDeadError
 from pagoda.engine.layers import deterministic, quantization
 from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
 from pagoda.engine.lora import AdapterInfo, AdapterSlots, check_name, read_adapter_config
@@ -18,7 +18,7 @@ from pagoda.engine.model_runner import ModelRunner, StepResult
 from pagoda.engine.models import architecture_of
 from pagoda.engine.core_outputs import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
-from pagoda.engine.core_io import EngineRequest
+from pagoda.engine.core_io import AdapterResult, EngineRequest
 from pagoda.engine.scheduler import Scheduler, SchedulerOutput, finished_per_s
 from pagoda.engine.sequence import FinishReason, Sequence
 from pagoda.engine.speculative import Speculator
@@ -227,7 +227,6 @@ class EngineCore:
 
     def adapter_command(self, cmd) -> list:
         """A front-end's AdapterCommand: its AdapterResult now, or for an unload once it is done."""
-        from pagoda.engine.core_io import AdapterResult
         try:
             if cmd.op == "load":
                 self.add_adapter(cmd.name, cmd.path)
@@ -241,7 +240,6 @@ class EngineCore:
 
     def adapter_results(self) -> list:
         """The unloads that completed (their requests in flight all finished), answered."""
-        from pagoda.engine.core_io import AdapterResult
         done = self.finish_unloads()
         infos = tuple(self.adapter_infos())
         return [AdapterResult(t, None, infos) for name in done for t in self._unload_waiters.pop(name, [])]
@@ -264,7 +262,6 @@ class EngineCore:
     def check_adapter(self, name: str | None) -> None:
         """AdapterNotFoundError unless `name` (None: the base model) can take requests."""
         if name is not None and (self.adapters is None or name not in self.adapters.infos or name in self.unloading):
-            from pagoda.engine.errors import AdapterNotFoundError
             raise AdapterNotFoundError(name)
 
     # ---- requests ----
