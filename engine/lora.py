@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-MAX_LORAS, MAX_LORA_RANK = 4, 16
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,8 @@ def parse_lora_modules(value) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, dict):
         if isinstance(value, str):
             value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"lora_modules must be a dict {{name: path}} or a list of NAME=PATH, got {value!r}")
         for v in value:
             if isinstance(v, (tuple, list)) and len(v) == 2:
                 items.append(tuple(v))

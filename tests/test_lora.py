@@ -233,10 +233,20 @@ def _edit_config(src: str, dst, **changes) -> str:
     return str(dst)
 
 
+def _without(src: str, dst, name: str) -> str:
+    import shutil
+    shutil.copytree(src, dst)
+    os.remove(os.path.join(dst, name))
+    return str(dst)
+
+
 def test_refusals_name_the_field(adapters, tmp_path):
     base, paths = adapters("llama")
     cases = [
         (dict(max_lora_rank=4), paths["one"], "r 8 exceeds max_lora_rank 4"),
+        ({}, adapters("qwen3")[1]["one"], "do not fit the model's layer"),  # another model's adapter
+        ({}, _without(paths["one"], tmp_path / "noweights", "adapter_model.safetensors"),
+         "no adapter_model.safetensors"),
         ({}, _edit_config(paths["one"], tmp_path / "dora", use_dora=True), "use_dora"),
         ({}, _edit_config(paths["one"], tmp_path / "save", modules_to_save=["lm_head"]), "modules_to_save"),
         ({}, _edit_config(paths["one"], tmp_path / "bias", bias="all"), "bias 'all'"),
@@ -248,7 +258,8 @@ def test_refusals_name_the_field(adapters, tmp_path):
         with pytest.raises(ValueError, match=message) as e:
             LLM(base, lora_modules={"bad": path}, **options)
         assert "'bad'" in str(e.value) and "\n" not in str(e.value)
-    for bad, message in [(["x"], "NAME=PATH"), (["a=p", "a=q"], "given twice"), ({"a b": "p"}, "without spaces")]:
+    for bad, message in [(["x"], "NAME=PATH"), (["a=p", "a=q"], "given twice"), ({"a b": "p"}, "without spaces"),
+                         (5, "lora_modules must be")]:
         with pytest.raises(ValueError, match=message):
             LLM(base, lora_modules=bad)
     with pytest.raises(ValueError, match="max_loras"):
