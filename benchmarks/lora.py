@@ -98,7 +98,8 @@ def run(args) -> str:
             base_t, lora_t = [t[c] for t in tput["base"]], [t[c] for t in tput[name]]
             ratios = [b / a for a, b in zip(base_t, lora_t)]
             rows.append([name, clock, f"{statistics.median(base_t):.0f}", f"{statistics.median(lora_t):.0f}",
-                         f"**{statistics.median(ratios):.2f}**", f">= {target}", " / ".join(f"{r:.2f}" for r in ratios)])
+                         f"**{statistics.median(ratios):.2f}**", f">= {target}",
+                         " / ".join(f"{r:.2f}" for r in ratios)])
     body = common.markdown_table(["LoRA", "clock", "base tokens/s (median)", "LoRA tokens/s (median)",
                                   "ratio (median of rounds)", "target", "each round's ratio"], rows)
     return body + (f"\n\n{args.num_requests} requests, prompts {args.input_len[0]}..{args.input_len[1]} tokens, "

@@ -79,7 +79,8 @@ class AsyncEngine:
 
     async def _adapter_call(self, cmd: AdapterCommand) -> None:
         if not self.config.enable_lora:
-            raise AdapterLoadError("LoRA adapters are not enabled on this server (--lora-modules / --allow-lora-loading)")
+            raise AdapterLoadError("LoRA adapters are not enabled on this server "
+                                   "(--lora-modules / --allow-lora-loading)")
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             if self._closed:

@@ -433,7 +433,8 @@ class EngineCore:
                            s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0,
                            s.num_waiting_tokens, max(0, s.max_num_seqs - len(s.running)), s.max_num_batched_tokens, s.step_s,
                            finished_per_s(s.finish_times, now),
-                           *((spec.num_proposed, spec.num_accepted, spec.mean_accepted_length) if spec else (0, 0, 0.0)),
+                           *((spec.num_proposed, spec.num_accepted, spec.mean_accepted_length) if spec
+                             else (0, 0, 0.0)),
                            dict(self.adapter_requests), dict(s.adapter_tokens))
 
     def model_info(self) -> ModelInfo:

@@ -142,6 +142,7 @@ class LoRAStep:
     width: int
     num_rows: int
     packed: object  # np.ndarray, int64
+    all_rows: bool = False  # every row of the step, in order, on the one active slot
 
 
 class StepState:
@@ -151,6 +152,7 @@ class StepState:
     rows: torch.Tensor | None = None  # [m]: the batch row of each adapter row (no padding: gather itself)
     valid: torch.Tensor | None = None  # [m]: its position in the padded layout; None: no padding
     width = 0
+    all_rows = False  # one adapter for every row of the step, in order: no gather, no scatter
     version = 0  # bumped whenever a slot's weights change (layers cache their active selection)
 
 
@@ -188,8 +190,12 @@ class LoRASlots:
         if self._cache[0] != key:
             sel = None
             if any(self.has[s] for s in st.slots):
-                idx = torch.tensor(st.slots, device=self.A.device)
-                sel = self.A.index_select(0, idx), [b.index_select(0, idx) for b in self.B]
+                first, k = st.slots[0], len(st.slots)
+                if st.slots == tuple(range(first, first + k)):  # consecutive slots (often all): views
+                    sel = self.A.narrow(0, first, k), [b.narrow(0, first, k) for b in self.B]
+                else:
+                    idx = torch.tensor(st.slots, device=self.A.device)
+                    sel = self.A.index_select(0, idx), [b.index_select(0, idx) for b in self.B]
             self._cache = (key, sel)
         return self._cache[1]
 
@@ -203,10 +209,13 @@ class LoRASlots:
             return y
         a, bs = sel
         k, r = a.shape[0], self.rank
-        xg = x.index_select(0, st.gather).view(k, st.width, -1).to(self.dtype)  # [k, width, in]
+        # [k, width, in]: the rows by slot (every row on one adapter: x itself)
+        xg = (x if st.all_rows else x.index_select(0, st.gather)).view(k, st.width, -1).to(self.dtype)
         xa = torch.bmm(xg, a.transpose(1, 2))  # [k, width, slices * rank]
         parts = [torch.bmm(xa[..., i * r:(i + 1) * r], b.transpose(1, 2)) for i, b in enumerate(bs)]
         delta = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(k * st.width, -1)  # [k*width, out]
+        if st.all_rows:
+            return y.add_(delta.to(y.dtype))
         if st.valid is not None:
             delta = delta.index_select(0, st.valid)
         return y.index_add_(0, st.rows, delta.to(y.dtype))
@@ -216,9 +225,11 @@ class LoRAModel:
     """A rank's adapters: their weights (this rank's shards, on the host), the slots of every
     targetable layer, and the step's state."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device):
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device,
+                 checkpoint: str):
         from pagoda.engine.parallel import Linear, ParallelLMHead
         self.model, self.max_rank, self.dtype = model, max_rank, dtype
+        self.shapes = _checkpoint_shapes(model, checkpoint)  # checkpoint weight name -> (out, in), whole
         self.state = StepState()
         self.layers: dict[str, LoRASlots] = {}
         for name, m in model.named_modules():
@@ -231,7 +242,7 @@ class LoRAModel:
 
     def add(self, name: str, path: str) -> None:
         """Read an adapter's weights (this rank's shards), checked against the model."""
-        self.adapters[name] = _read_weights(self.model, self.layers, name, path)
+        self.adapters[name] = _read_weights(self.model, self.layers, self.shapes, name, path)
 
     def remove(self, name: str) -> None:
         self.adapters.pop(name, None)
@@ -248,7 +259,7 @@ class LoRAModel:
         """The step's adapter rows (LoRAStep; packed: its arrays on the device), or None: no adapter."""
         st = self.state
         if step is None:
-            st.slots, st.gather, st.rows, st.valid = (), None, None, None
+            st.slots, st.gather, st.rows, st.valid, st.all_rows = (), None, None, None, False
             return
         k, m = len(step.slots), step.num_rows
         st.slots, st.width = step.slots, step.width
@@ -256,6 +267,7 @@ class LoRAModel:
         st.valid = packed[k * step.width + m:] if packed.shape[0] > k * step.width + m else None
         if st.valid is None:  # no padding: the layout's rows are the adapter rows, in its order
             st.rows = st.gather
+        st.all_rows = step.all_rows
 
 
 def step_slots(seq_slots, counts) -> LoRAStep | None:
@@ -276,7 +288,8 @@ def step_slots(seq_slots, counts) -> LoRAStep | None:
     gather = np.zeros(len(active) * width, dtype=np.int64)
     gather[flat] = rows
     parts = [gather, rows] + ([flat] if len(rows) < len(gather) else [])
-    return LoRAStep(tuple(int(s) for s in active), width, len(rows), np.concatenate(parts))
+    return LoRAStep(tuple(int(s) for s in active), width, len(rows), np.concatenate(parts),
+                    all_rows=len(active) == 1 and len(rows) == len(row_slot))
 
 
 def targetable_modules(model) -> set[str]:
@@ -296,7 +309,23 @@ def _shard(t: torch.Tensor, ranges, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
 
 
-def _read_weights(model, layers: dict[str, LoRASlots], name: str, path: str) -> dict[str, list]:
+def _checkpoint_shapes(model, path: str) -> dict[str, tuple[int, int]]:
+    """The base checkpoint's 2-d weights' whole shapes as [out, in] (read from the file headers)."""
+    import glob
+    from safetensors import safe_open
+    shapes = {}
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                mapped = model.checkpoint_name(key) if key.endswith(".weight") and len(shape) == 2 else None
+                if mapped is not None:
+                    transposed = getattr(model, "stored_transposed", lambda n: False)(mapped[0])
+                    shapes[key] = tuple(shape[::-1]) if transposed else tuple(shape)
+    return shapes
+
+
+def _read_weights(model, layers: dict[str, LoRASlots], shapes: dict, name: str, path: str) -> dict[str, list]:
     from safetensors import safe_open
     where = f"lora adapter {name!r}"
     file = os.path.join(os.path.expanduser(path), WEIGHTS_FILE)
@@ -314,7 +343,12 @@ def _read_weights(model, layers: dict[str, LoRASlots], name: str, path: str) -> 
                 lname = None if mapped is None else mapped[0].removesuffix(".weight")
                 if lname not in layers:
                     raise ValueError(f"{where}: tensor {key!r} targets no linear layer of this model")
-                found.setdefault((lname, mapped[1]), {})[part] = f.get_tensor(key).float()
+                t = f.get_tensor(key).float()
+                out, inp = shapes.get(module + ".weight", (None, None))
+                if t.dim() != 2 or (part == "lora_A" and t.shape[1] != inp) or (part == "lora_B" and t.shape[0] != out):
+                    raise ValueError(f"{where}: {key} {tuple(t.shape)} does not fit the model's layer "
+                                     f"{module} [{out}, {inp}] (another base model's adapter?)")
+                found.setdefault((lname, mapped[1]), {})[part] = t
     except (OSError, RuntimeError) as e:  # safetensors' own errors for a corrupt file
         raise ValueError(f"{where}: cannot read {file}: {e}") from None
     out: dict[str, list] = {}

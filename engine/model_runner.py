@@ -44,6 +44,7 @@ class ModelRunner:
         self.dtype = dtype_of(config.dtype, hf_config, self.device)
         self.vocab_size = hf_config.vocab_size
         self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group)
+        self.checkpoint_path = config.model  # a local directory here (LoRA adapters are checked against it)
         self.workers = workers  # tensor parallelism, on the driver: the other ranks, sent each step first
         # top logprobs per row: as many as the step's rows ask for at most; deterministic mode always takes
         # the most a request may ask for (topk orders tied logprobs by another algorithm for another k)
@@ -73,7 +74,7 @@ class ModelRunner:
         self._allocate_kv_cache(config.num_kv_blocks, backend)
         quantize_model_(model, config.quantization)
         if config.enable_lora:
-            self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device)
+            self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device, self.checkpoint_path)
         if config.deterministic:
             deterministic.prepare_model_(model, dtype, fused)
         elif device.type == "cpu":

@@ -95,7 +95,7 @@ def _assert_clean(llm):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_each_adapter_alone_and_mixed_match_peft(adapters, family):
     base, paths = adapters(family)
-    llm = LLM(base, lora_modules=paths, max_loras=4)
+    llm = LLM(base, num_kv_blocks=64, lora_modules=paths, max_loras=4)
     prompts = _prompts(llm.engine.hf_config.vocab_size)
     expected = {name: reference(base, path, prompts) for name, path in paths.items()}
     expected[None] = reference(base, None, prompts)
@@ -132,7 +132,7 @@ def test_mixed_batch_with_chunked_prefill_preemption_and_prefix_caching(adapters
 
 def test_same_prompt_under_two_adapters_shares_no_blocks(adapters):
     base, paths = adapters("llama")
-    llm = LLM(base, lora_modules=paths, enable_prefix_caching=True)
+    llm = LLM(base, num_kv_blocks=64, lora_modules=paths, enable_prefix_caching=True)
     prompt = _prompts(llm.engine.hf_config.vocab_size, seed=2)[5]  # 70 tokens: 4 full blocks
     llm.generate([prompt], _greedy(), adapter="one")
     cached = llm.engine.stats().num_cached_prompt_tokens
@@ -147,7 +147,7 @@ def test_same_prompt_under_two_adapters_shares_no_blocks(adapters):
 
 def test_no_adapter_step_runs_no_lora(adapters):
     base, paths = adapters("llama")
-    llm = LLM(base, lora_modules=paths)
+    llm = LLM(base, num_kv_blocks=64, lora_modules=paths)
     prompts = _prompts(llm.engine.hf_config.vocab_size)
     got = [o.token_ids for o in llm.generate(prompts, _greedy())]
     exp = reference(base, None, prompts)
@@ -160,7 +160,7 @@ def test_int8_base_with_adapter_equals_adapter_on_dequantized_weights(adapters, 
     PEFT on a checkpoint holding pagoda's own dequantized int8 weights (run in float32 here, so the
     comparison is of logits, which must agree closely, and of greedy tokens)."""
     base, paths = adapters("llama")
-    llm = LLM(base, lora_modules=paths, quantization="int8")
+    llm = LLM(base, num_kv_blocks=64, lora_modules=paths, quantization="int8")
     prompts = _prompts(llm.engine.hf_config.vocab_size)[:3]
     got = llm.generate(prompts, _greedy(), adapter="one")
     # the dequantized weights of every int8 layer, written back as a float checkpoint
@@ -204,7 +204,7 @@ def test_int8_base_with_adapter_equals_adapter_on_dequantized_weights(adapters, 
 
 def test_load_and_unload_offline(adapters):
     base, paths = adapters("qwen3")
-    llm = LLM(base, allow_lora_loading=True, max_loras=1)
+    llm = LLM(base, num_kv_blocks=64, allow_lora_loading=True, max_loras=1)
     prompts = _prompts(llm.engine.hf_config.vocab_size)[:2]
     with pytest.raises(AdapterNotFoundError, match="'one'"):
         llm.generate(prompts, _greedy(), adapter="one")
@@ -244,7 +244,7 @@ def test_refusals_name_the_field(adapters, tmp_path):
     base, paths = adapters("llama")
     cases = [
         (dict(max_lora_rank=4), paths["one"], "r 8 exceeds max_lora_rank 4"),
-        ({}, adapters("qwen3")[1]["one"], "do not fit the model's layer"),  # another model's adapter
+        ({}, adapters("qwen3")[1]["one"], "does not fit the model's layer"),  # another model's adapter
         ({}, _without(paths["one"], tmp_path / "noweights", "adapter_model.safetensors"),
          "no adapter_model.safetensors"),
         ({}, _edit_config(paths["one"], tmp_path / "dora", use_dora=True), "use_dora"),
@@ -256,14 +256,14 @@ def test_refusals_name_the_field(adapters, tmp_path):
     ]
     for options, path, message in cases:
         with pytest.raises(ValueError, match=message) as e:
-            LLM(base, lora_modules={"bad": path}, **options)
+            LLM(base, num_kv_blocks=64, lora_modules={"bad": path}, **options)
         assert "'bad'" in str(e.value) and "\n" not in str(e.value)
     for bad, message in [(["x"], "NAME=PATH"), (["a=p", "a=q"], "given twice"), ({"a b": "p"}, "without spaces"),
                          (5, "lora_modules must be")]:
         with pytest.raises(ValueError, match=message):
-            LLM(base, lora_modules=bad)
+            LLM(base, num_kv_blocks=64, lora_modules=bad)
     with pytest.raises(ValueError, match="max_loras"):
-        LLM(base, lora_modules=paths, max_loras=0)
+        LLM(base, num_kv_blocks=64, lora_modules=paths, max_loras=0)
 
 
 def test_lora_modules_forms(adapters):
@@ -294,7 +294,8 @@ def test_speculative_decoding_and_structured_outputs_with_adapters(adapters):
     """n-gram speculation verifies its proposals with the request's adapter applied to every query row:
     the output stays PEFT's. A structured output under an adapter keeps to its grammar."""
     base, paths = adapters("llama")
-    llm = LLM(base, lora_modules=paths, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = LLM(base, num_kv_blocks=64, lora_modules=paths,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     rng = random.Random(7)
     motif = [rng.randrange(3, 200) for _ in range(6)]
     prompts = [motif * 4, motif * 3 + [9]]  # repetitive: the n-gram lookup proposes
@@ -304,8 +305,8 @@ def test_speculative_decoding_and_structured_outputs_with_adapters(adapters):
         assert o.token_ids == reference(base, paths[a], [p])[0], a
     assert llm.engine.speculator.num_proposed > 0
     choices = ["yes", "no", "maybe"]
-    out = llm.generate(["Answer:"], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": choices}),
-                       adapter="one")[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": choices})
+    out = llm.generate(["Answer:"], params, adapter="one")[0]
     assert out.text in choices
     _assert_clean(llm)
 
