@@ -272,7 +272,9 @@ class LoRAModel:
 
 def step_slots(seq_slots, counts) -> LoRAStep | None:
     """Host side, with the step's other inputs: each sequence's slot (-1: no adapter) and query rows ->
-    the step's adapter rows grouped by slot (no sort: a row's place in its group is a running count)."""
+    the step's adapter rows grouped by slot (no sort: a row's place in its group is a running count).
+    A large group (a prefill chunk beside a few decode rows per adapter) is split into groups of
+    `width` rows of the same slot, so that padding every group to the largest costs little."""
     import numpy as np
     seq_slots = np.asarray(seq_slots, dtype=np.int64)
     if not (seq_slots >= 0).any():
@@ -280,16 +282,33 @@ def step_slots(seq_slots, counts) -> LoRAStep | None:
     row_slot = np.repeat(seq_slots, counts)  # per token row
     rows = np.flatnonzero(row_slot >= 0)
     active = np.unique(row_slot[rows])
-    group = np.searchsorted(active, row_slot[rows])  # [m]: index among the active slots
-    onehot = group[:, None] == np.arange(len(active))  # [m, k]
-    within = onehot.cumsum(axis=0)[np.arange(len(rows)), group] - 1
-    width = int(onehot.sum(axis=0).max())
-    flat = group * width + within  # [m]: position in the padded layout
-    gather = np.zeros(len(active) * width, dtype=np.int64)
+    slot_idx = np.searchsorted(active, row_slot[rows])  # [m]: index among the active slots
+    onehot = slot_idx[:, None] == np.arange(len(active))  # [m, k]
+    within = onehot.cumsum(axis=0)[np.arange(len(rows)), slot_idx] - 1  # [m]: place among its slot's rows
+    sizes = onehot.sum(axis=0)
+    width = _group_width(sizes)
+    per_slot = -(-sizes // width)  # groups each slot's rows take
+    first = np.cumsum(per_slot) - per_slot
+    flat = (first[slot_idx] + within // width) * width + within % width  # [m]: position in the padded layout
+    gather = np.zeros(int(per_slot.sum()) * width, dtype=np.int64)
     gather[flat] = rows
     parts = [gather, rows] + ([flat] if len(rows) < len(gather) else [])
-    return LoRAStep(tuple(int(s) for s in active), width, len(rows), np.concatenate(parts),
-                    all_rows=len(active) == 1 and len(rows) == len(row_slot))
+    return LoRAStep(tuple(int(s) for s in np.repeat(active, per_slot)), width, len(rows), np.concatenate(parts),
+                    all_rows=len(active) == 1 and len(rows) == len(row_slot) and per_slot[0] == 1)
+
+
+def _group_width(sizes) -> int:
+    """The group width that costs least: padded rows, plus a row's worth for each group past one per
+    slot (its slot's weights are copied for it)."""
+    k, widest = len(sizes), int(sizes.max())
+    best, cost = widest, k * widest
+    w = 8
+    while w < widest:
+        groups = int((-(-sizes // w)).sum())
+        if groups * w + 2 * (groups - k) < cost:
+            best, cost = w, groups * w + 2 * (groups - k)
+        w *= 2
+    return best
 
 
 def targetable_modules(model) -> set[str]:

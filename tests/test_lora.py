@@ -323,3 +323,9 @@ def test_step_rows_grouped_by_slot_without_sorting():
     assert step_slots([-1, -1], [3, 1]) is None
     even = step_slots([1, 0, 1, 0], [1, 1, 1, 1])  # no padding: the layout alone
     assert even.width == 2 and len(even.packed) == 4 + 4
+    # a 40-row prefill chunk beside single decode rows: split into groups of 8 of its slot
+    mixed = step_slots([1, 2, 3, 0], [1, 1, 1, 40])
+    assert mixed.width == 8 and mixed.slots == (0,) * 5 + (1, 2, 3) and mixed.num_rows == 43
+    gather, rows, flat = mixed.packed[:64], mixed.packed[64:107], mixed.packed[107:]
+    assert gather[flat].tolist() == rows.tolist() == list(range(43))
+    assert gather[:40].tolist() == list(range(3, 43)) and gather[40:].tolist()[::8] == [0, 1, 2]
