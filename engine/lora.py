@@ -209,8 +209,12 @@ class LoRASlots:
             return y
         a, bs = sel
         k, r = a.shape[0], self.rank
-        # [k, width, in]: the rows by slot (every row on one adapter: x itself)
-        xg = (x if st.all_rows else x.index_select(0, st.gather)).view(k, st.width, -1).to(self.dtype)
+        if st.all_rows and y.dtype == self.dtype:  # every row on one adapter: plain matmuls, added in place
+            xa = x @ a[0].t()  # [n, slices * rank]
+            for i, ((first, n), b) in enumerate(zip(self.slices, bs)):
+                y[:, first:first + n].addmm_(xa[:, i * r:(i + 1) * r], b[0].t())
+            return y
+        xg = x.index_select(0, st.gather).view(k, st.width, -1).to(self.dtype)  # [k, width, in]: rows by slot
         xa = torch.bmm(xg, a.transpose(1, 2))  # [k, width, slices * rank]
         parts = [torch.bmm(xa[..., i * r:(i + 1) * r], b.transpose(1, 2)) for i, b in enumerate(bs)]
         delta = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(k * st.width, -1)  # [k*width, out]
