@@ -25,6 +25,7 @@ constexpr int kRegs = 16;
 #endif
 typedef float vec __attribute__((vector_size(kW * 4), aligned(4)));
 constexpr int kMaxRows = 8;  // rows per block (the accumulators of a block stay in registers)
+constexpr int64_t kPrefetchRows = 16;  // a column-major tile asks for its weights this many inputs ahead
 
 inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
@@ -51,6 +52,8 @@ void tile_t(const float* x, int64_t ldx, const float* wt, const float* bias, flo
     for (int j = 0; j < NV; ++j) acc[m][j] = vec{} + 0.f;
   for (int64_t k = 0; k < K; ++k) {
     const float* w = wt + k * O + o;
+    // the tile's rows of weights are O floats apart: too far for the hardware prefetcher to follow
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(w + kPrefetchRows * O + j * kW);
     vec wv[NV];
     for (int j = 0; j < NV; ++j) wv[j] = load(w + j * kW);
     for (int m = 0; m < M; ++m) {
@@ -89,6 +92,7 @@ void tile_n(const float* x, int64_t ldx, const float* w, const float* bias, floa
     for (int r = 0; r < R; ++r) acc[m][r] = vec{} + 0.f;
   const int64_t body = K - K % kW;
   for (int64_t k = 0; k < body; k += kW) {
+    for (int r = 0; r < R; ++r) __builtin_prefetch(w + (o + r) * K + k + 4 * kW);
     vec wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load(w + (o + r) * K + k);
     for (int m = 0; m < M; ++m) {
