@@ -285,6 +285,8 @@ def test_few_row_linear_matches_torch_whatever_the_rows_beside(out_features, in_
                 torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-5)
                 for i in (0, rows - 1):
                     assert torch.equal(cpu_ops.linear(x[i:i + 1], weight, b)[0], got[i])
+    x = torch.randn(cpu_ops.ROW_MAJOR_ROWS + 1, in_features)  # a row-major weight: torch's above that
+    torch.testing.assert_close(cpu_ops.linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.linear(torch.randn(2, in_features).double(), w.double(), None)
     with pytest.raises(RuntimeError, match="weight"):

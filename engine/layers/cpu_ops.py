@@ -161,7 +161,12 @@ def argmax(x):
     return ops().argmax(x)
 
 
+ROW_MAJOR_ROWS = 32  # above this many rows torch's sgemm wins for a row-major weight (a tied LM head)
+
+
 def linear(x, weight, bias):
     # x: [rows, in] float32, weight: [out, in] (row- or column-major), bias: [out] or None -> [rows, out];
     # each weight read once per block of rows, each row's result independent of the others
+    if x.shape[0] > ROW_MAJOR_ROWS and weight.stride(1) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
     return ops().linear_few_rows(x, weight, bias)
