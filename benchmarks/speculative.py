@@ -13,6 +13,7 @@ first, taken from the end of the sorted list):
 
     python benchmarks/speculative.py --streams 1 16 64 --repeats 3
     python benchmarks/speculative.py --methods draft --workloads continue --streams 1
+    python benchmarks/speculative.py --target-size large --methods ngram draft --streams 1
 """
 import argparse
 import glob
@@ -55,13 +56,16 @@ def prompts(tokenizer, workload: str, count: int, max_tokens: int) -> list[list[
     return [tokenizer(t)["input_ids"] for t in texts]
 
 
-def run(llm, batch: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def run(llm, batch: list[list[int]], new_tokens: int, clock=time.perf_counter) -> tuple[float, list[list[int]]]:
     from pagoda.engine import SamplingParams
 
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)
-    t0 = time.perf_counter()
+    t0 = clock()
     outs = llm.generate(batch, params)
-    return len(batch) * new_tokens / (time.perf_counter() - t0), [o.token_ids for o in outs]
+    return len(batch) * new_tokens / (clock() - t0), [o.token_ids for o in outs]
 
 
 def main(argv=None) -> int:
@@ -81,7 +85,13 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="float32", help="float32 by default (what the speculative numbers were measured in)")
+    p.add_argument("--target-size", choices=["small", "large"], default="small",
+                   help="the trained target: small (6 layers, hidden 256: its weights fit in the CPU's caches) or "
+                        "large (8 layers, hidden 384, ~60 MB: they do not); the same trained draft for both")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="cpu: the process's CPU time instead of wall time (with --threads 1 on a machine shared "
+                        "with other work: time spent descheduled is not counted)")
     p.add_argument("--note", default="", help="a sentence on the conditions, for RESULTS.md")
     common.add_results_args(p)
     args = common.finish_args(p.parse_args(argv))
@@ -90,6 +100,10 @@ def main(argv=None) -> int:
     if args.model or args.model_config:
         path = args.model or common.cached_checkpoint(args.model_config)
         what = f"checkpoint {args.model or args.model_config + ' (random weights)'}"
+    elif args.target_size == "large":
+        path = trained_model.build_large(small_steps=args.train_steps)["target"]
+        what = (f"larger trained target ({trained_model.LARGE_SHAPE['num_hidden_layers']} layers, hidden "
+                f"{trained_model.LARGE_SHAPE['hidden_size']}, benchmarks/trained_model.py --target-size large)")
     else:
         path = trained_model.build(args.train_steps)["target"]
         what = f"trained target ({args.train_steps} steps, benchmarks/trained_model.py)"
@@ -119,7 +133,7 @@ def main(argv=None) -> int:
                 for name, llm in engines.items():
                     s = llm.engine.speculator
                     before = (s.num_accepted, s.num_verifications) if s else None
-                    rate, outputs[name] = run(llm, batch, args.new_tokens)
+                    rate, outputs[name] = run(llm, batch, args.new_tokens, CLOCKS[args.clock])
                     rates[name].append(rate)
                     if s:
                         n = s.num_verifications - before[1]
@@ -138,10 +152,11 @@ def main(argv=None) -> int:
     if not args.no_results:
         common.append_results(
             args.results, f"speculative decoding ({', '.join(args.methods)}) vs none",
-            f"Model: {what}; greedy, {args.new_tokens} new "
+            f"Model: {what}, {args.dtype}; greedy, {args.new_tokens} new "
             f"tokens per stream, k={args.k}, prompt_lookup_max 3 (ngram), default switch-off (disable_by_batch_size 8, "
             f"min_acceptance_rate 0.2); medians of {args.repeats} alternating runs; outputs identical with and "
-            f"without. Mean accepted length: tokens per verifying step (accepted + 1). {args.note}\n\n{table}\n")
+            f"without; tokens/s by {'the process CPU time' if args.clock == 'cpu' else 'wall time'}. Mean accepted "
+            f"length: tokens per verifying step (accepted + 1). {args.note}\n\n{table}\n")
     return 0
 
 

@@ -23,6 +23,10 @@ SHAPES = {"target": dict(hidden_size=256, num_hidden_layers=6, num_attention_hea
                          intermediate_size=768),
           "draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=384)}
+# a larger target whose float32 weights (~60 MB) do not fit in the CPU's caches, as a real model's do not
+# (--target-size large): trained with the small one's tokenizer, so the same draft serves both
+LARGE_SHAPE = dict(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2,
+                   intermediate_size=1152)
 SEQ_LEN = 128
 VERSION = "1"
 
@@ -60,7 +64,7 @@ def train_tokenizer(text: str, path: str):
     return fast
 
 
-def train(name: str, ids, steps: int, batch: int, seed: int, path: str, tokenizer) -> list[float]:
+def train(name: str, ids, steps: int, batch: int, seed: int, path: str, tokenizer, shape=None) -> list[float]:
     """Trains one model on windows of ids; saves it (safetensors) with its loss curve; returns the curve."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -68,7 +72,7 @@ def train(name: str, ids, steps: int, batch: int, seed: int, path: str, tokenize
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **SHAPES[name])
+                         pad_token_id=tokenizer.pad_token_id, **(shape or SHAPES[name]))
     model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.05)
@@ -116,6 +120,25 @@ def build(steps: int = 600, batch: int = 8, seed: int = 0, corpus_bytes: int = 8
     return paths
 
 
+def build_large(steps: int = 400, small_steps: int = 600, batch: int = 8, seed: int = 0,
+                corpus_bytes: int = 8 << 20) -> dict[str, str]:
+    """{"target": the larger target, "draft": the small build's draft}: the larger target trained now (with
+    the small build's tokenizer, built first if needed) or found in the cache."""
+    import torch
+    from transformers import AutoTokenizer
+
+    small = build(small_steps, batch, seed, corpus_bytes)
+    tokenizer_path = os.path.join(os.path.dirname(small["target"]), "tokenizer")
+    key = hashlib.sha256(json.dumps([VERSION, LARGE_SHAPE, SEQ_LEN, steps, batch, seed, torch.get_num_threads(),
+                                     small["target"]]).encode()).hexdigest()[:16]
+    path = os.path.join(os.path.dirname(os.path.dirname(small["target"])), f"large-{key}", "target")
+    if not os.path.exists(os.path.join(path, "loss.json")):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        ids = torch.tensor(tokenizer(corpus(corpus_bytes))["input_ids"], dtype=torch.int64)
+        train("target-large", ids, steps, batch, seed, path, tokenizer, LARGE_SHAPE)
+    return {"target": path, "draft": small["draft"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=600)
@@ -123,8 +146,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-mb", type=float, default=8.0)
     p.add_argument("--out", help="a directory instead of the cache")
+    p.add_argument("--target-size", choices=["small", "large"], default="small",
+                   help="large: a target whose weights do not fit in the CPU's caches (--large-steps steps)")
+    p.add_argument("--large-steps", type=int, default=400)
+    p.add_argument("--threads", type=int, help="torch threads (part of the cache key; the benchmarks pass theirs)")
     args = p.parse_args()
-    paths = build(args.steps, args.batch, args.seed, int(args.corpus_mb * 2**20), args.out)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    if args.target_size == "large":
+        paths = build_large(args.large_steps, args.steps, args.batch, args.seed, int(args.corpus_mb * 2**20))
+    else:
+        paths = build(args.steps, args.batch, args.seed, int(args.corpus_mb * 2**20), args.out)
     for name, path in paths.items():
         with open(os.path.join(path, "loss.json")) as f:
             loss = json.load(f)["loss"]

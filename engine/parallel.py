@@ -115,6 +115,11 @@ def _mark(layer: nn.Module, dim: int, parts: dict) -> nn.Module:
     return layer
 
 
+# rows up to which a float32 linear on CPU runs pagoda's op rather than torch's (MKL's sgemm costs a
+# weight read per row there: a single stream's verification of 4 proposals cost 4-5x one row's decode)
+FEW_ROWS = 64
+
+
 class Linear(nn.Linear):
     """nn.Linear, or with weight-only int8 quantization (engine/layers/quantization.py) its int8
     weight and per-output scales in place of the float weight; in deterministic mode its
@@ -122,14 +127,17 @@ class Linear(nn.Linear):
     qweight = scales = None
     batch_invariant = None
     lora = None  # engine/lora.py LoRASlots: adapters' per-row updates, added to the output (before a reduce)
+    fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 on CPU): up to FEW_ROWS rows
 
     def forward(self, x):
         if self.batch_invariant is not None:
             y = self.batch_invariant(x)
-        elif self.qweight is None:
-            y = F.linear(x, self.weight, self.bias)
-        else:
+        elif self.qweight is not None:
             y = int8_linear(x, self)
+        elif self.fused_ops is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS:
+            y = self.fused_ops.linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.forward(x, y)
 
 

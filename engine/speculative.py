@@ -26,7 +26,7 @@ import torch
 
 from pagoda.engine.config import SpeculativeConfig
 
-PAUSE_STEPS = 16  # steps a sequence with poor recent acceptance goes without proposals
+PAUSE_STEPS = 16  # most steps a sequence with poor recent acceptance goes without proposals
 ACCEPTANCE_DECAY = 0.5  # weight of the history in a sequence's moving acceptance rate
 
 
@@ -35,6 +35,9 @@ class SpecState:
     """A sequence's recent speculation (Sequence.speculation)."""
     acceptance: float = 1.0  # moving average of accepted / proposed
     paused: int = 0  # steps left without proposals
+    # the next pause's length: 2 steps, doubled by each pause up to PAUSE_STEPS, back to 2 once a
+    # verification does well (a brief miss, such as an edit in copied text, costs a short pause)
+    backoff: int = 2
 
 
 class NgramProposer:
@@ -66,7 +69,7 @@ class DraftProposer:
     draft's slots too. The draft runs only in steps that speculate, and only for the speculating
     sequences: each first catches up (catch_up: a query over its tokens from seq.draft_computed, the
     draft's KV so far, through its last token), then, once add_proposals has given the proposals
-    slots, the draft decodes (fill), feeding each proposal in turn (the last one only for its KV).
+    slots, the draft decodes (fill), feeding each proposal but the last in turn (k forwards in all).
     draft_computed is 0 after a preemption and for a new sequence, also where the target hit the
     prefix cache (blocks the target computed hold draft KV only if some draft step covered them, so
     the draft recomputes them: more work, never poorer proposals), and falls back with the target's
@@ -108,16 +111,18 @@ class DraftProposer:
         tables = block_tables([s.block_table for s in seqs])
         starts = np.array([s.num_tokens for s in seqs], dtype=np.int64)  # the first proposal's position
         rows = torch.tensor([self.rows[s.seq_id] for s in seqs], device=self.first.device)
-        steps = [self.first[rows]]  # steps[j]: [rows fed at step j] proposal j + 1
-        for j in range(int(lens[0])):  # feed proposal j + 1 of the sequences that have one
-            m = int((lens > j).sum())
+        steps = [self.first[rows]]  # steps[j]: proposal j + 1 of the sequences that have one
+        for j in range(int(lens[0]) - 1):  # feed proposal j + 1 of the sequences that want proposal j + 2
+            m = int((lens > j + 1).sum())
             steps.append(self.runner.draft_decode(steps[j][:m], starts[:m] + j, tables[:m]))
-        table = torch.full((len(seqs), len(steps) - 1), -1, dtype=torch.int64, device=self.first.device)
-        for j, t in enumerate(steps[:-1]):
+        table = torch.full((len(seqs), len(steps)), -1, dtype=torch.int64, device=self.first.device)
+        for j, t in enumerate(steps):
             table[:len(t), j] = t
         for i, seq, row, n in zip(order, seqs, table.tolist(), lens):  # the one host-device sync
             sched.spec_tokens[i] = row[:n]
-            seq.draft_computed += int(n)  # every proposal fed (the target's rollback trims the rejected)
+            # every proposal but the last fed (the target's rollback trims the rejected); the last, if
+            # accepted, is fed by the next step's catch-up with the target's token after it
+            seq.draft_computed += int(n) - 1
 
 
 class Speculator:
@@ -187,10 +192,13 @@ class Speculator:
             self.num_proposed += len(spec)
             self.num_accepted += accepted
             self.num_verifications += 1
-            state = seq.speculation
-            state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * accepted / len(spec)
+            state, rate = seq.speculation, accepted / len(spec)
+            state.acceptance = ACCEPTANCE_DECAY * state.acceptance + (1 - ACCEPTANCE_DECAY) * rate
             if state.acceptance < self.config.min_acceptance_rate:
-                state.paused, state.acceptance = PAUSE_STEPS, 1.0  # then try again
+                state.paused, state.acceptance = state.backoff, 1.0  # then try again
+                state.backoff = min(2 * state.backoff, PAUSE_STEPS)
+            elif rate >= 0.5:
+                state.backoff = 2
 
 
 def proposal_rows(sched) -> np.ndarray | None:

@@ -267,6 +267,46 @@ def test_argmax_is_torchs_first_maximum():
         cpu_ops.argmax(x.double())
 
 
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (2048, 64), (100, 37), (7, 16)])
+def test_few_row_linear_matches_torch_whatever_the_rows_beside(out_features, in_features):
+    """The few-row linear (parallel.Linear on float32 CPU models, up to FEW_ROWS rows): the weight
+    column-major (the runner's layout) or row-major (a tied LM head's), with and without a bias, any
+    number of rows (blocks of 8 and the rest), odd sizes (vector tails); and a row's result is the same
+    bits alone as in a batch (a verification row equals the decode row of the same token)."""
+    torch.manual_seed(0)
+    w = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features)
+    for weight in (w, w.t().contiguous().t()):
+        for rows in (1, 2, 5, 8, 9, 21):
+            x = torch.randn(rows, in_features)
+            for b in (None, bias):
+                got = cpu_ops.linear(x, weight, b)
+                want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+                torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-5)
+                for i in (0, rows - 1):
+                    assert torch.equal(cpu_ops.linear(x[i:i + 1], weight, b)[0], got[i])
+    x = torch.randn(cpu_ops.ROW_MAJOR_ROWS + 1, in_features)  # a row-major weight: torch's above that
+    torch.testing.assert_close(cpu_ops.linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.linear(torch.randn(2, in_features).double(), w.double(), None)
+    with pytest.raises(RuntimeError, match="weight"):
+        cpu_ops.linear(torch.randn(2, in_features + 1), w, None)
+
+
+def test_float32_models_take_the_few_row_linear_below_its_limit(monkeypatch):
+    """parallel.Linear with the CPU ops bound: up to FEW_ROWS rows through the op, more through torch."""
+    from pagoda.engine import parallel
+
+    layer = parallel.Linear(64, 48, bias=True)
+    layer.fused_ops = cpu_ops
+    calls = []
+    monkeypatch.setattr(cpu_ops, "linear", lambda *a: calls.append(a[0].shape[0]) or torch.zeros(a[0].shape[0], 48))
+    with torch.no_grad():
+        layer(torch.randn(parallel.FEW_ROWS, 64))
+        layer(torch.randn(parallel.FEW_ROWS + 1, 64))
+    assert calls == [parallel.FEW_ROWS]
+
+
 def _assert_equalish(got, want, dtype):
     if dtype == torch.float32:  # the same math; a fused multiply-add may round the last bit differently
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

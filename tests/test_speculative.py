@@ -396,22 +396,31 @@ def test_no_speculation_in_a_step_with_more_sequences_than_disable_by_batch_size
     assert spec.propose(_decode_step(_seqs(4))) is None
 
 
-def test_a_sequence_with_poor_recent_acceptance_pauses():
+def test_a_sequence_with_poor_recent_acceptance_pauses_longer_each_time():
     from pagoda.engine.speculative import PAUSE_STEPS, Speculator
 
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=2, min_acceptance_rate=0.3), max_model_len=512)
     seqs = _seqs(2)
-    for step in range(2):  # seq 0 gets nothing accepted, seq 1 everything
+
+    def verify(results):
         sched = _decode_step(seqs)
         sched.spec_tokens = spec.propose(sched)
         assert sched.spec_tokens == [[3, 1], [3, 1]]
-        spec.observe(sched, [[7], [3, 1, 2]])
-    assert spec.propose(_decode_step(seqs)) == [[], [3, 1]]  # 1 -> 0.5 -> 0.25: below 0.3
-    for _ in range(PAUSE_STEPS - 1):
-        spec.propose(_decode_step(seqs))
-    assert spec.propose(_decode_step(seqs)) == [[3, 1], [3, 1]]  # tried again
-    assert (spec.num_proposed, spec.num_accepted, spec.num_verifications) == (8, 4, 4)
-    assert spec.mean_accepted_length == 2.0
+        spec.observe(sched, results)
+
+    for pause in (2, 4, 8, PAUSE_STEPS, PAUSE_STEPS):  # doubled by each pause, up to PAUSE_STEPS
+        for _ in range(2):  # seq 0 gets nothing accepted (1 -> 0.5 -> 0.25: below 0.3), seq 1 everything
+            verify([[7], [3, 1, 2]])
+        for _ in range(pause):
+            assert spec.propose(_decode_step(seqs)) == [[], [3, 1]]
+    verify([[3, 1, 2], [3, 1, 2]])  # tried again, and did well: the next pause is short again
+    for _ in range(2):
+        verify([[7], [3, 1, 2]])
+    for _ in range(2):
+        assert spec.propose(_decode_step(seqs)) == [[], [3, 1]]
+    verify([[3, 7], [3, 1, 2]])
+    assert (spec.num_proposed, spec.num_accepted, spec.num_verifications) == (56, 31, 28)
+    assert spec.mean_accepted_length == 1 + 31 / 28
 
 
 def test_structured_requests_do_not_speculate_beside_those_that_do(checkpoint):

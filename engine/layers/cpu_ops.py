@@ -1,6 +1,6 @@
 """pagoda's C++ ops for CPU (csrc/): paged attention and its cache write, fused RMSNorm (with
-the residual add before it), SiLU-and-mul and rotary embedding, and the greedy argmax. They run
-in torch's intra-op threads.
+the residual add before it), SiLU-and-mul and rotary embedding, the greedy argmax, and float32 linear
+layers for a few rows (csrc/linear_cpu.cpp). They run in torch's intra-op threads.
 
 They are compiled when pagoda is installed (setup.py: one library for AVX-512 machines, one for AVX2,
 chosen here by the CPU torch reports). Where no library matches (no compiler at install, another
@@ -22,7 +22,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp",
+                                                   "linear_cpu.cpp")]
 # per CPU capability torch reports, so that a build cache shared between machines stays valid
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
@@ -158,3 +159,14 @@ def rotary_(q, k, positions, cos, sin) -> None:
 def argmax(x):
     # x: [num_rows, n] float32 -> [num_rows] int64, the first maximum of each row
     return ops().argmax(x)
+
+
+ROW_MAJOR_ROWS = 32  # above this many rows torch's sgemm wins for a row-major weight (a tied LM head)
+
+
+def linear(x, weight, bias):
+    # x: [rows, in] float32, weight: [out, in] (row- or column-major), bias: [out] or None -> [rows, out];
+    # each weight read once per block of rows, each row's result independent of the others
+    if x.shape[0] > ROW_MAJOR_ROWS and weight.stride(1) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return ops().linear_few_rows(x, weight, bias)

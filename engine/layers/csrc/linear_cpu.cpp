@@ -1,0 +1,176 @@
+// A float32 linear layer for a few rows (a single stream's decode token, a speculative verification's
+// last token and proposals), where MKL's sgemm costs about as many weight reads as there are rows
+// (5 rows: 4-5x one row on a Zen 4). Here every weight is read once per block of up to 8 rows, so 5 rows
+// cost about what one does while the weights come from memory. Each output is the same sequence of
+// fused multiply-adds over the input whatever the number of rows, so a row's result does not depend
+// on the rows beside it (speculation verifies with the logits a plain decode step would compute).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kW = 16;  // floats per vector register
+constexpr int kRegs = 32;
+#else
+constexpr int kW = 8;
+constexpr int kRegs = 16;
+#endif
+typedef float vec __attribute__((vector_size(kW * 4), aligned(4)));
+constexpr int kMaxRows = 8;  // rows per block (the accumulators of a block stay in registers)
+constexpr int64_t kPrefetchRows = 16;  // a column-major tile asks for its weights this many inputs ahead
+
+inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
+inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
+// a * b + c rounded once, as the scalar tails' fmaf (ISO C++ builds do not contract a * b + c themselves)
+inline vec fma(vec a, vec b, vec c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  vec r;
+  for (int l = 0; l < kW; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return r;
+#endif
+}
+
+// Column-major weight (wt: [K, O] row-major, i.e. weight.t() contiguous): a tile of NV vectors of
+// outputs for M rows; acc[m][j] += x[m][k] * wt[k][o + j * kW + lane], k ascending.
+template <int M, int NV>
+void tile_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
+            int64_t O, int64_t o) {
+  vec acc[M][NV];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) acc[m][j] = vec{} + 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = wt + k * O + o;
+    // the tile's rows of weights are O floats apart: too far for the hardware prefetcher to follow
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(w + kPrefetchRows * O + j * kW);
+    vec wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = load(w + j * kW);
+    for (int m = 0; m < M; ++m) {
+      const vec b = vec{} + x[m * ldx + k];
+      for (int j = 0; j < NV; ++j) acc[m][j] = fma(b, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j)
+      store(y + m * ldy + o + j * kW, bias != nullptr ? acc[m][j] + load(bias + o + j * kW) : acc[m][j]);
+}
+
+// outputs [o, o + width) of M rows, column-major weight: vector tiles, then one column at a time
+template <int M>
+void columns_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
+               int64_t O, int64_t o, int64_t width) {
+  constexpr int NV = std::max(1, std::min(8, (kRegs - 2) / (M + 1)));
+  const int64_t end = o + width;
+  for (; o + NV * kW <= end; o += NV * kW) tile_t<M, NV>(x, ldx, wt, bias, y, ldy, K, O, o);
+  for (; o + kW <= end; o += kW) tile_t<M, 1>(x, ldx, wt, bias, y, ldy, K, O, o);
+  for (; o < end; ++o)
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s = __builtin_fmaf(x[m * ldx + k], wt[k * O + o], s);
+      y[m * ldy + o] = bias != nullptr ? s + bias[o] : s;
+    }
+}
+
+// Row-major weight (w: [O, K], a tied LM head's): R outputs for M rows at once, each a dot product:
+// lanes accumulate k ascending (k = lane mod kW), then the lanes are summed in order, then the tail.
+template <int M, int R>
+void tile_n(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy, int64_t K,
+            int64_t o) {
+  vec acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = vec{} + 0.f;
+  const int64_t body = K - K % kW;
+  for (int64_t k = 0; k < body; k += kW) {
+    for (int r = 0; r < R; ++r) __builtin_prefetch(w + (o + r) * K + k + 4 * kW);
+    vec wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load(w + (o + r) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const vec xv = load(x + m * ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = fma(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+      for (int l = 0; l < kW; ++l) s += acc[m][r][l];
+      for (int64_t k = body; k < K; ++k) s = __builtin_fmaf(x[m * ldx + k], w[(o + r) * K + k], s);
+      y[m * ldy + o + r] = bias != nullptr ? s + bias[o + r] : s;
+    }
+}
+
+template <int M>
+void columns_n(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy, int64_t K,
+               int64_t O, int64_t o, int64_t width) {
+  constexpr int R = std::max(1, std::min(8, (kRegs - 1 - M) / (M + 1)));
+  const int64_t end = o + width;
+  for (; o + R <= end; o += R) tile_n<M, R>(x, ldx, w, bias, y, ldy, K, o);
+  for (; o < end; ++o) tile_n<M, 1>(x, ldx, w, bias, y, ldy, K, o);
+}
+
+template <bool T>
+void block(int rows, const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy, int64_t K,
+           int64_t O, int64_t o, int64_t width) {
+#define PAGODA_ROWS(M)                                                        \
+  case M:                                                                     \
+    if constexpr (T) columns_t<M>(x, ldx, w, bias, y, ldy, K, O, o, width);   \
+    else columns_n<M>(x, ldx, w, bias, y, ldy, K, O, o, width);               \
+    break;
+  switch (rows) {
+    PAGODA_ROWS(1) PAGODA_ROWS(2) PAGODA_ROWS(3) PAGODA_ROWS(4)
+    PAGODA_ROWS(5) PAGODA_ROWS(6) PAGODA_ROWS(7) PAGODA_ROWS(8)
+  }
+#undef PAGODA_ROWS
+}
+
+// x: [M, K] float32; weight: [O, K] float32, column-major (weight.t() contiguous) or row-major; bias: [O]
+// or none -> x @ weight.T + bias: [M, O]. Threads split the outputs; each runs every row block over its
+// outputs (a block's weights are then in cache for the next block).
+at::Tensor linear_few_rows(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const at::Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x must be [M, K], weight [O, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
+  const int64_t M = x.size(0), K = x.size(1), O = weight.size(0);
+  const bool col_major = weight.stride(0) == 1 && weight.stride(1) == O;
+  TORCH_CHECK(col_major || weight.is_contiguous(), "weight must be row- or column-major");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == O, "bias must be [O]");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // outputs per task: a multiple of 8 vectors, and at least ~64k weights (below that a parallel region
+  // costs more than it saves)
+  const int64_t quantum = 8 * kW;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * quantum));
+  at::parallel_for(0, (O + quantum - 1) / quantum, grain, [&](int64_t a, int64_t e) {
+    const int64_t o = a * quantum, width = std::min(O, e * quantum) - o;
+    for (int64_t r = 0; r < M; r += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, M - r));
+      if (col_major) block<true>(rows, xp + r * K, K, wp, b, yp + r * O, O, K, O, o, width);
+      else block<false>(rows, xp + r * K, K, wp, b, yp + r * O, O, K, O, o, width);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagoda, m) {
+  m.def("linear_few_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagoda, CPU, m) { m.impl("linear_few_rows", &linear_few_rows); }
