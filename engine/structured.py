@@ -115,6 +115,24 @@ def _grammar_of(so: StructuredOutputs) -> str:
     return m.grammar_from_lark(so.grammar)
 
 
+def as_lark(so: StructuredOutputs) -> str:
+    """A constraint as a Lark grammar whose first line is its start rule (Reasoning.wrap puts it after
+    the reasoning); InvalidRequestError naming so.field where it is invalid."""
+    import llguidance
+
+    grammar = so.grammar if so.kind == "grammar" else _grammar_of(so)
+    error = llguidance.LLMatcher.validate_grammar(grammar if so.kind != "grammar" else
+                                                  llguidance.LLMatcher.grammar_from_lark(grammar))
+    if error:
+        raise InvalidRequestError(so.field, f"is invalid: {_one_line(error)}")
+    if grammar.startswith("{"):  # llguidance's JSON form: one grammar, a JSON schema or Lark
+        (one,) = json.loads(grammar)["grammars"]
+        if one.get("json_schema") is not None:
+            return "start: %json " + json.dumps(one["json_schema"], ensure_ascii=False)
+        grammar = one["lark_grammar"]
+    return "start: answer_\nanswer_: %lark {\n" + grammar + "\n}"
+
+
 def _one_line(message: str) -> str:
     """llguidance's messages draw carets under the grammar over several lines: one line here."""
     return " ".join(line.strip() for line in message.splitlines() if line.strip())

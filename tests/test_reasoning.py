@@ -1,7 +1,7 @@
 """engine/reasoning.py: a reasoning model's <think>...</think> read apart from the answer (whole and
 streamed alike, the tag opened in the answer or by the template), chat_template_kwargs' allow-list,
-and over HTTP (a Qwen3-style template): reasoning_content, and tool calls constrained only after
-</think>."""
+and over HTTP (a Qwen3-style template): reasoning_content, and tool calls or a structured output
+constrained only after </think>."""
 import json
 
 import llguidance
@@ -81,6 +81,35 @@ def test_calls_are_constrained_only_after_the_reasoning(family):
     assert not accepts("<think>x</think>\n\n" + call.replace('"x": 2', '"x": 3'))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen"])
+@pytest.mark.parametrize("kind, value, good, bad", [
+    ("json", {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}, '{"x":2}', '{"x":3}'),
+    ("regex", r"[0-9]{2}/[a-z]", "42/q", "4/q"),
+    ("choice", ["東京", "}"], "}", "Köln"),
+    ("grammar", 'start: "a" B\nB: /[0-9]+/', "a12", "b12"),
+])
+def test_a_structured_output_is_constrained_only_after_the_reasoning(family, kind, value, good, bad):
+    """response_format (any constraint) of a reasoning request: the reasoning free, the answer after
+    </think> constrained (tags as tokens, Qwen3, and as plain text)."""
+    from pagoda.engine.reasoning import after_reasoning
+    from pagoda.engine.structured import StructuredOutputs
+
+    tok = build_tool_tokenizer(family)
+    so = after_reasoning(StructuredOutputs(**{kind: value}), Reasoning(), token_spelling(tok))
+    ltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=[tok.eos_token_id])
+
+    def accepts(text):
+        m = llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_lark(so.grammar), log_level=0)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+    assert accepts(good) and accepts("<think>\nfree {text: 東京\n</think>\n\n" + good)
+    assert not accepts("<think>\nfree\n</think>\n\n" + bad) and not accepts("free text " + good)
+    assert after_reasoning(StructuredOutputs(**{kind: value}), None, token_spelling(tok)).kind == kind
+    with pytest.raises(InvalidRequestError) as e:  # a bad constraint still names its own field
+        after_reasoning(StructuredOutputs(json={"type": "object", "properties": {"x": {"type": "nope"}}}),
+                        Reasoning(), token_spelling(tok))
+    assert e.value.field == "structured_outputs.json"
+
+
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     path = build_tool_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "qwen3")
@@ -103,6 +132,25 @@ def test_http_reasoning_then_a_call(srv):
     chunks = list(oai.chat.completions.create(**kw, stream=True))
     args = "".join(d.function.arguments or "" for c in chunks for ch in c.choices for d in ch.delta.tool_calls or [])
     assert args == whole.message.tool_calls[0].function.arguments
+
+
+def test_http_reasoning_then_a_json_answer(srv):
+    """response_format json_schema of a reasoning request: the reasoning free (some text before
+    </think>), the content after it valid; the stream equals the unary answer."""
+    oai = openai_client(srv)
+    tok = srv.engine.tokenizer
+    schema = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}
+    bias = {str(tok.convert_tokens_to_ids("<think>")): 100, str(tok.convert_tokens_to_ids("</think>")): 6}
+    kw = dict(model="m", messages=MESSAGES, max_tokens=80, logit_bias=bias, temperature=0.8, seed=1,
+              response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    whole = oai.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "stop" and json.loads(whole.message.content)["x"] in (1, 2)
+    assert whole.message.model_extra["reasoning_content"]  # free text before </think>
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    deltas = [ch.delta for c in chunks for ch in c.choices]
+    assert "".join(d.content or "" for d in deltas) == whole.message.content
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == \
+        whole.message.model_extra["reasoning_content"]
 
 
 def test_http_reasoning_content_and_template_kwargs(srv):

@@ -186,7 +186,9 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict:
             if status == "completed" else []}
 
 
-def _function_call(c, status: str = "completed", arguments: str | None = None) -> dict:
+def _function_call(c, status: str | None = None, arguments: str | None = None) -> dict:
+    """A function_call item; its status by default completed, or incomplete when cut short."""
+    status = status or ("completed" if c.complete else "incomplete")
     return {"id": "fc_" + c.id.removeprefix("call_"), "type": "function_call", "call_id": c.id, "name": c.name,
             "arguments": c.arguments if arguments is None else arguments, "status": status}
 
@@ -201,12 +203,13 @@ def _whole(body: ResponsesRequest, call: Call, outs: list) -> dict:
 
 async def _events(body: ResponsesRequest, call: Call, outputs):
     """The typed events: created, in_progress; a message's item, part and text deltas as the text
-    comes; each function call's item and arguments once whole; the parts' and items' ends; completed."""
+    comes; each function call's item once its name is written, then its arguments as they come; the
+    parts' and items' ends; completed (or incomplete)."""
     seq = iter(range(1 << 62))
     ev = lambda kind, **fields: {"type": kind, "sequence_number": next(seq), **fields}  # noqa: E731
     yield ev("response.created", response=_response(body, call, "in_progress", []))
     yield ev("response.in_progress", response=_response(body, call, "in_progress", []))
-    output, text, msg, last = [], "", None, None
+    output, text, msg, last, calls = [], "", None, None, {}  # calls: a call's index -> its output index
     stream = AnswerStream(call.reqs[0])
     async for _, out in outputs:
         last = out
@@ -221,20 +224,24 @@ async def _events(body: ResponsesRequest, call: Call, outputs):
             text += answer.content
             yield ev("response.output_text.delta", item_id=msg["id"], output_index=output.index(msg),
                      content_index=0, delta=answer.content, logprobs=[])
-        for c in answer.calls:
-            if msg is not None:
-                async for e in _close_message(ev, output, msg, text):
-                    yield e
-                msg, text = None, ""
-            item = _function_call(c, "in_progress", "")
-            output.append(item)
-            k = len(output) - 1
-            yield ev("response.output_item.added", output_index=k, item=item)
-            yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=k, delta=c.arguments)
-            yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=k, name=c.name,
-                     arguments=c.arguments)
-            output[k] = _function_call(c)
-            yield ev("response.output_item.done", output_index=k, item=output[k])
+        for d in answer.deltas:
+            if d.first:
+                if msg is not None:
+                    async for e in _close_message(ev, output, msg, text):
+                        yield e
+                    msg, text = None, ""
+                output.append(_function_call(d.call, "in_progress", ""))
+                calls[d.index] = len(output) - 1
+                yield ev("response.output_item.added", output_index=calls[d.index], item=output[-1])
+            k = calls[d.index]
+            if d.arguments:
+                yield ev("response.function_call_arguments.delta", item_id=output[k]["id"], output_index=k,
+                         delta=d.arguments)
+            if d.ended:
+                yield ev("response.function_call_arguments.done", item_id=output[k]["id"], output_index=k,
+                         name=d.call.name, arguments=d.call.arguments)
+                output[k] = _function_call(d.call)
+                yield ev("response.output_item.done", output_index=k, item=output[k])
     if msg is not None:
         async for e in _close_message(ev, output, msg, text):
             yield e
