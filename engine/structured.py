@@ -286,6 +286,8 @@ class StructuredOutputManager:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
         self.compiling: list[tuple[concurrent.futures.Future, list, str | None]] = []  # (template, seqs, trigger)
+        self.pending = None  # (seqs, future of their bitmasks): filled while the model runs
+        self._filler = None
 
     def add(self, seqs: list, grammar: str, trigger: str | None = None) -> None:
         """Sequences that wait for their grammar's template before they are scheduled. With a trigger
@@ -326,7 +328,26 @@ class StructuredOutputManager:
 
     def bitmasks(self, seqs: list, pin_memory: bool = False):
         """(rows, bits) for the constrained rows among seqs, bits int32 [rows, ceil(vocab / 32)]
-        filled in one parallel call; None when no row is constrained."""
+        filled in one parallel call; None when no row is constrained. The ones start_bitmasks began
+        for this very list are joined."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            masks = pending[1].result()  # joined in any case: no matcher moves while it reads them
+            if pending[0] is seqs:
+                return masks
+        return self._fill(seqs, pin_memory)
+
+    def start_bitmasks(self, seqs: list, pin_memory: bool = False) -> None:
+        """Begin bitmasks(seqs) on a thread now, at the step's start, so that llguidance fills them
+        (in its own threads, the GIL released) while the model runs: a step's masks depend only on
+        tokens accepted before it. The sampler's bitmasks(seqs) joins them."""
+        self.bitmasks(())  # a step that failed before joining its masks: joined first
+        if any(s.matcher is not None for s in seqs):
+            if self._filler is None:
+                self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagoda-masks")
+            self.pending = (seqs, self._filler.submit(self._fill, seqs, pin_memory))
+
+    def _fill(self, seqs: list, pin_memory: bool):
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return None
@@ -380,3 +401,5 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.compiler.close()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
