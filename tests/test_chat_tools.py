@@ -133,9 +133,9 @@ def test_stream_equals_unary(oai, srv, family):
     tok = srv.engine.tokenizer
     bias = {str(tok.convert_tokens_to_ids(TRIGGERS[family])): 100}
     for choice, extra in (("required", {"parallel_tool_calls": False}), ("auto", {"logit_bias": bias}),
-                          ("auto", {})):
-        kw = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=300, seed=7,
-                  temperature=0.9, **extra)
+                          ("auto", {}), ("required", {"max_tokens": 24})):  # the last: cut inside its call
+        kw = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice=choice, seed=7, temperature=0.9,
+                  **{"max_tokens": 300, **extra})
         whole = oai.chat.completions.create(**kw).choices[0]
         content, calls, finish, pieces = "", {}, None, {}
         for chunk in oai.chat.completions.create(**kw, stream=True):
@@ -152,7 +152,7 @@ def test_stream_equals_unary(oai, srv, family):
                 finish = c.finish_reason or finish
         # the arguments come in pieces as the tokens come (a call's arguments are several tokens)
         assert all(pieces.get(k, 0) >= 2 for k, (_, _, a) in calls.items() if len(a) >= 16)
-        assert not calls or max(pieces.values()) >= 3
+        assert not calls or "max_tokens" in extra or max(pieces.values()) >= 3
         assert finish == whole.finish_reason
         assert (content or None) == whole.message.content
         assert all(t not in content for t in tok.all_special_tokens if t != TRIGGERS[family])  # EOS: no text
@@ -160,6 +160,10 @@ def test_stream_equals_unary(oai, srv, family):
         assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
         if choice == "required":
             assert got and all(i.startswith("call_") for i, _, _ in calls.values())
+        if extra.get("max_tokens"):  # cut short: the call as far as written, on both, finish_reason length
+            assert whole.finish_reason == "length" and whole.message.content is None
+            with pytest.raises(ValueError):
+                json.loads(whole.message.tool_calls[-1].function.arguments)
 
 
 def test_tool_result_round_trip(oai, family):

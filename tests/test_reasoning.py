@@ -153,6 +153,34 @@ def test_http_reasoning_then_a_json_answer(srv):
         whole.message.model_extra["reasoning_content"]
 
 
+def test_responses_reasoning_item(srv):
+    """The Responses API: the reasoning as a `reasoning` item (its text the content) before the message,
+    whole and streamed alike (response.reasoning_text.delta / .done)."""
+    oai = openai_client(srv)
+    tok = srv.engine.tokenizer
+    schema = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}
+    bias = {str(tok.convert_tokens_to_ids("<think>")): 100, str(tok.convert_tokens_to_ids("</think>")): 6}
+    kw = dict(model="m", input=MESSAGES[0]["content"], max_output_tokens=80, temperature=0.8,
+              extra_body={"seed": 1, "logit_bias": bias},
+              text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    r = oai.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.status == "completed"
+    thought = r.output[0].content[0].text
+    assert thought and r.output[0].summary == [] and json.loads(r.output[1].content[0].text)["x"] in (1, 2)
+    events = list(oai.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["reasoning", "message"]
+    assert done.output[0].content[0].text == thought and done.output[1].content[0].text == r.output[1].content[0].text
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    # a reasoning item sent back as input is taken (and not rendered)
+    nxt = oai.responses.create(model="m", max_output_tokens=2, input=[
+        {"role": "user", "content": "Warum?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+        {"role": "user", "content": "Und?"}])
+    assert nxt.status in ("completed", "incomplete")
+
+
 def test_http_reasoning_content_and_template_kwargs(srv):
     oai = openai_client(srv)
     tok = srv.engine.tokenizer
