@@ -7,7 +7,8 @@ parser limits bound the work a hostile grammar can cause. Compilation (GrammarCo
 runs in worker threads, off the event loop and the engine loop, with a wall-clock limit and a size
 limit, and its results are cached; the engine core builds a matcher per sequence from the compiled
 grammar's text (a cached template, copied). Each step fills the bitmasks of every constrained row
-in one parallel call (fill_bitmasks); the sampler applies them in one tensor op."""
+in one parallel call (fill_bitmasks), begun on a thread at the step's start so that it overlaps the
+model's forward (start_bitmasks); the sampler adds them to the constrained rows' logits in place."""
 from __future__ import annotations
 
 import collections
