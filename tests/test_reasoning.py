@@ -151,6 +151,10 @@ def test_http_reasoning_then_a_json_answer(srv):
     assert "".join(d.content or "" for d in deltas) == whole.message.content
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == \
         whole.message.model_extra["reasoning_content"]
+    with pytest.raises(openai.BadRequestError) as e:  # a bad schema still names its field
+        oai.chat.completions.create(**{**kw, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": {"type": "object", "properties": {"x": {"type": "nope"}}}}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema"
 
 
 def test_responses_reasoning_item(srv):
@@ -215,3 +219,13 @@ def test_grpc_reasoning_content(srv):
         assert whole.reasoning_content == "<think>" * 4 and whole.text == ""
         stream = pb.GenerateStreamRequest.FromString(req.SerializeToString())
         assert "".join(m.reasoning_content for m in c.stub.GenerateStream(stream, timeout=60)) == "<think>" * 4
+        # a structured output after the reasoning: free reasoning, then the answer valid (stream == unary)
+        req.structured_output.regex = "[0-9]{3}"
+        req.stopping.max_tokens, req.sampling.temperature, req.sampling.seed = 60, 0.8, 2
+        req.sampling.logit_bias[tok.convert_tokens_to_ids("</think>")] = 6
+        whole = c.stub.Generate(req, timeout=60)
+        assert whole.reasoning_content and whole.text.isdigit() and len(whole.text) == 3
+        stream = pb.GenerateStreamRequest.FromString(req.SerializeToString())
+        msgs = list(c.stub.GenerateStream(stream, timeout=60))
+        assert "".join(m.text for m in msgs) == whole.text
+        assert "".join(m.reasoning_content for m in msgs) == whole.reasoning_content
