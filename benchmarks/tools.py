@@ -3,6 +3,8 @@
 call made (free text under the auto grammar, which watches for the trigger); in one process, runs
 interleaved. The grammars are the server's own (engine/tools.py, as a chat request with these tools
 makes them); the prompts are the same token ids for every kind, so the ratios are the grammar's cost.
+"required" fills each step's masks while the model runs; "required_serial" fills them after it (the
+overlap's A/B, in the same run).
 
 The function's parameters ask for at least 100 records, so no call can end within the output length:
 every kind generates (nearly) the same number of tokens (greedy, EOS ignored, prefix caching off; a
@@ -21,7 +23,7 @@ from structured import SCHEMA
 
 TOOLS = [{"type": "function", "function": {"name": "save_records", "description": "Store records.",
                                            "parameters": SCHEMA}}]
-KINDS = ("free", "required", "auto")
+KINDS = ("free", "required", "auto", "required_serial")
 
 
 def params_for(llm, kind: str, workload):
@@ -31,14 +33,20 @@ def params_for(llm, kind: str, workload):
     base = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for _, n in workload]
     if kind == "free":
         return base
-    tools = check_tools(TOOLS, kind)
+    tools = check_tools(TOOLS, kind.removesuffix("_serial"))
     return [constrain(tools, FORMATS["hermes"], p, llm.tokenizer)[0] for p in base]
 
 
 def run(llm, workload, kind: str) -> tuple[float, int]:
     params = params_for(llm, kind, workload)
+    manager = llm.engine.structured
+    if kind.endswith("_serial"):  # the masks filled after the model, as before the overlap: its A/B
+        manager.start_bitmasks = lambda *a, **k: None
     t0 = time.perf_counter()
-    outs = llm.generate([ids for ids, _ in workload], params)
+    try:
+        outs = llm.generate([ids for ids, _ in workload], params)
+    finally:
+        manager.__dict__.pop("start_bitmasks", None)
     elapsed = time.perf_counter() - t0
     early = sum(o.finish_reason != "length" for o in outs)
     if early:  # the grammar ended it (rare; tokens/s still counts the tokens made)
@@ -46,7 +54,7 @@ def run(llm, workload, kind: str) -> tuple[float, int]:
     head = '<tool_call>\n{"name": "'
     texts = [o.text.lstrip("\ufffd") for o in outs]  # a random prompt may end inside a character
     wrong = [t for t in texts if not (t.startswith(head) or head.startswith(t))]
-    if kind == "required" and wrong:
+    if kind.startswith("required") and wrong:
         raise RuntimeError(f"a required completion is not a call: {wrong[0]!r}")
     if kind == "auto" and any(t.startswith("<tool_call>") for t in texts):
         raise RuntimeError("an auto completion made a call: the run must measure free text under the auto grammar")
@@ -87,7 +95,9 @@ def main(argv=None) -> int:
          ["tool_choice required (a Hermes call, enforced)", f"{med['required']:.0f}",
           ", ".join(f"{x:.0f}" for x in tps["required"]), f"{med['required'] / med['free']:.2f}"],
          ["tool_choice auto, no call made", f"{med['auto']:.0f}", ", ".join(f"{x:.0f}" for x in tps["auto"]),
-          f"{med['auto'] / med['free']:.2f}"]])
+          f"{med['auto'] / med['free']:.2f}"],
+         ["required, masks filled after the model (no overlap: the A/B)", f"{med['required_serial']:.0f}",
+          ", ".join(f"{x:.0f}" for x in tps["required_serial"]), f"{med['required_serial'] / med['free']:.2f}"]])
     print(body)
     if args.json:
         with open(args.json, "w") as f:

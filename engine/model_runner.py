@@ -187,6 +187,8 @@ class ModelRunner:
         sample_seqs = seqs if all(num_sampled) else sched.sampling_seqs
         scored = _prompt_rows(sched)  # prompt positions whose logprobs were asked for (rarely any)
         graphs, prompt_lps = self.decode_graphs, []
+        if self.structured is not None and sample_seqs and not sched.spec_tokens:
+            self.structured.start_bitmasks(sample_seqs, self.device.type == "cuda")  # filled while the model runs
         if not sample_seqs and not scored:
             self._forward(input_ids, positions, meta, [])  # prefill chunks only: nothing to sample
             return StepResult([])

@@ -1,6 +1,6 @@
 """Reasoning models (Qwen3, DeepSeek-R1): the answer's `<think>...</think>` part returned apart from
 it (vLLM's and DeepSeek's `reasoning_content`), and the grammar prefix that lets a constrained answer
-(tool calls) begin only after `</think>`.
+(tool calls, a structured output) begin only after `</think>`.
 
 On when the chat template writes `<think>` (a reasoning model's template does; --reasoning-parser
 names it explicitly). The text before `</think>` is the reasoning, with or without its opening tag
@@ -49,6 +49,16 @@ class Reasoning:
             think = [f"think: THINK {nl}", rf"THINK: /{head}(.|\n)*<\/think>/ & ~/(.|\n)*<\/think>(.|\n)+/"]
         start = f"start: think{'' if self.opened else '?'} answer"
         return "\n".join([start, "answer: " + first.removeprefix("start: "), *think, rest])
+
+
+def after_reasoning(so, reasoning: Reasoning | None, token):
+    """A structured output (response_format) of a reasoning request, constrained only after the
+    reasoning (the reasoning free); unchanged without reasoning or when lazy (its trigger)."""
+    from pagoda.engine.structured import StructuredOutputs, as_lark
+
+    if reasoning is None or so is None or so.trigger is not None:
+        return so
+    return StructuredOutputs(grammar=reasoning.wrap(as_lark(so), token))
 
 
 def reasoning_for(tokenizer, prompt_ids: list[int], name: str | None = None) -> Reasoning | None:

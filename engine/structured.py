@@ -7,7 +7,8 @@ parser limits bound the work a hostile grammar can cause. Compilation (GrammarCo
 runs in worker threads, off the event loop and the engine loop, with a wall-clock limit and a size
 limit, and its results are cached; the engine core builds a matcher per sequence from the compiled
 grammar's text (a cached template, copied). Each step fills the bitmasks of every constrained row
-in one parallel call (fill_bitmasks); the sampler applies them in one tensor op."""
+in one parallel call (fill_bitmasks), begun on a thread at the step's start so that it overlaps the
+model's forward (start_bitmasks); the sampler adds them to the constrained rows' logits in place."""
 from __future__ import annotations
 
 import collections
@@ -113,6 +114,24 @@ def _grammar_of(so: StructuredOutputs) -> str:
     if kind == "choice":  # each string a Lark literal (JSON's escapes are Lark's)
         return m.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice))
     return m.grammar_from_lark(so.grammar)
+
+
+def as_lark(so: StructuredOutputs) -> str:
+    """A constraint as a Lark grammar whose first line is its start rule (Reasoning.wrap puts it after
+    the reasoning); InvalidRequestError naming so.field where it is invalid."""
+    import llguidance
+
+    grammar = so.grammar if so.kind == "grammar" else _grammar_of(so)
+    error = llguidance.LLMatcher.validate_grammar(grammar if so.kind != "grammar" else
+                                                  llguidance.LLMatcher.grammar_from_lark(grammar))
+    if error:
+        raise InvalidRequestError(so.field, f"is invalid: {_one_line(error)}")
+    if grammar.startswith("{"):  # llguidance's JSON form: one grammar, a JSON schema or Lark
+        (one,) = json.loads(grammar)["grammars"]
+        if one.get("json_schema") is not None:
+            return "start: %json " + json.dumps(one["json_schema"], ensure_ascii=False)
+        grammar = one["lark_grammar"]
+    return "start: answer_\nanswer_: %lark {\n" + grammar + "\n}"
 
 
 def _one_line(message: str) -> str:
@@ -268,6 +287,8 @@ class StructuredOutputManager:
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
         self.compiling: list[tuple[concurrent.futures.Future, list, str | None]] = []  # (template, seqs, trigger)
+        self.pending = None  # (seqs, future of their bitmasks): filled while the model runs
+        self._filler = None
 
     def add(self, seqs: list, grammar: str, trigger: str | None = None) -> None:
         """Sequences that wait for their grammar's template before they are scheduled. With a trigger
@@ -308,7 +329,26 @@ class StructuredOutputManager:
 
     def bitmasks(self, seqs: list, pin_memory: bool = False):
         """(rows, bits) for the constrained rows among seqs, bits int32 [rows, ceil(vocab / 32)]
-        filled in one parallel call; None when no row is constrained."""
+        filled in one parallel call; None when no row is constrained. The ones start_bitmasks began
+        for this very list are joined."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            masks = pending[1].result()  # joined in any case: no matcher moves while it reads them
+            if pending[0] is seqs:
+                return masks
+        return self._fill(seqs, pin_memory)
+
+    def start_bitmasks(self, seqs: list, pin_memory: bool = False) -> None:
+        """Begin bitmasks(seqs) on a thread now, at the step's start, so that llguidance fills them
+        (in its own threads, the GIL released) while the model runs: a step's masks depend only on
+        tokens accepted before it. The sampler's bitmasks(seqs) joins them."""
+        self.bitmasks(())  # a step that failed before joining its masks: joined first
+        if any(s.matcher is not None for s in seqs):
+            if self._filler is None:
+                self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagoda-masks")
+            self.pending = (seqs, self._filler.submit(self._fill, seqs, pin_memory))
+
+    def _fill(self, seqs: list, pin_memory: bool):
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not rows:
             return None
@@ -362,3 +402,5 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.compiler.close()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)

@@ -13,12 +13,16 @@ with fixed separators (a weak model cannot pad a call with whitespace until max_
     "{" at the start, and reasoning requests keep the eager grammar: free text as one lexeme that
     cannot spell the trigger, one mask per step;
   - "none": tools rendered in the prompt, nothing constrained or parsed.
-Parsing (scan) returns the calls that parse and name a tool; anything after the first one that
-does not (a call cut short by max_tokens) is returned as content, never as a malformed call. The
-stream is scanned with the same function, so the concatenated stream equals the unary answer."""
+Parsing (scan) reads each call from its name on (the call's arguments are the model's own text of
+them); text that is not a call of a tool is content. Every call of an output that ended after its
+calls (finish "tool_calls") is whole and valid; an output cut inside a call (max_tokens, a stop
+string, the time limit) returns that call as far as it was written (complete False), as OpenAI
+does. A stream is read with the same function: each call's id and name once its name is written,
+then its arguments in pieces as they come, so the concatenated stream equals the unary answer."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import uuid
@@ -30,18 +34,37 @@ from pagoda.engine.validation import check_text
 CHOICES = ("none", "auto", "required")
 # the separators every call is written with (Qwen's and Llama's own style: json.dumps' defaults)
 _SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_DUMPS = dict(ensure_ascii=False, separators=(", ", ": "))
+_DECODER = json.JSONDecoder()
+_MORE, _BAD = -1, -2  # _lit's answers: the text ends inside the literal; the text differs
 
 
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # a JSON object's text, as OpenAI sends it
+    arguments: str  # a JSON object's text, as the model wrote it (cut short where not complete)
     id: str = ""
+    complete: bool = True  # the call ended: its arguments whole and its format's closing written
 
-    @staticmethod
-    def new(name: str, arguments: dict) -> "ToolCall":
-        return ToolCall(name, json.dumps(arguments, **_DUMPS), "call_" + uuid.uuid4().hex[:24])
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def ends_in_calls(calls) -> bool:
+    """Whether an output that stopped normally stopped after its calls (finish_reason tool_calls)."""
+    return bool(calls) and calls[-1].complete
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """What a stream's feed brings of call `index`: `call` so far (its id, name, arguments so far),
+    `arguments` new since the last delta; `first`: its id and name are new; `ended`: whole, or cut
+    short at the output's end."""
+    index: int
+    call: ToolCall
+    arguments: str
+    first: bool
+    ended: bool
 
 
 @dataclass(frozen=True)
@@ -111,9 +134,9 @@ class ToolFormat:
         if start < 0:
             held = 0 if final else _partial_suffix(text, self.trigger)
             return Scan(text[:len(text) - held], [], held > 0)
-        calls, end, complete = self.parse_calls(text, start, names)
-        if not final and not complete:
-            return Scan(text[:start], calls, True)
+        calls, end, over = self.parse_calls(text, start, names)
+        if not over or (calls and not calls[-1].complete):  # under way, or cut short inside the calls
+            return Scan(text[:start], calls, not final)
         rest = text[end if calls else start:]
         return Scan(text[:start] + (rest if rest.strip() or not calls else ""), calls)
 
@@ -121,14 +144,44 @@ class ToolFormat:
         return text.find(self.trigger)
 
     def parse_calls(self, text: str, start: int, names: set) -> tuple[list, int, bool]:
-        """(calls parsed from start on, where the parsed part ends, whether the region is complete)."""
+        """(calls read from start on, the last one maybe not complete; where the whole calls end;
+        whether the region is over: nothing after `end` can become a call)."""
         raise NotImplementedError
 
-    def call_of(self, obj) -> ToolCall | None:
-        if (isinstance(obj, dict) and set(obj) == {"name", self.key} and isinstance(obj["name"], str)
-                and isinstance(obj[self.key], dict)):
-            return ToolCall.new(obj["name"], obj[self.key])
-        return None
+    def call_at(self, text: str, pos: int, names: set, closing: tuple) -> tuple[ToolCall | None, int]:
+        """The call object {"name": ..., key: {...}} at pos, then its `closing` literals: (call, end);
+        (None, _MORE): the text ends before its name is whole; (None, _BAD): not a call of a tool. A call
+        whose arguments or closing are not whole is returned not complete, with end at the text's end."""
+        for lit in ("{", '"name"', ":"):
+            pos = _lit(text, pos, lit)
+            if pos < 0:
+                return None, pos
+        pos = _skip_ws(text, pos)
+        if pos == len(text) or text[pos] != '"':
+            return None, _MORE if pos == len(text) else _BAD
+        try:
+            name, pos = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return None, _MORE
+        if name not in names:
+            return None, _BAD
+        for lit in (",", json.dumps(self.key), ":"):
+            pos = _lit(text, pos, lit)
+            if pos < 0:
+                return ToolCall(name, "", complete=False), len(text)
+        pos = _skip_ws(text, pos)
+        try:
+            args, end = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return ToolCall(name, text[pos:], complete=False), len(text)
+        if not isinstance(args, dict):
+            return ToolCall(name, text[pos:end], complete=False), len(text)
+        close = end
+        for lit in ("}", *closing):
+            close = _lit(text, close, lit)
+            if close < 0:
+                return ToolCall(name, text[pos:end], complete=False), len(text)
+        return ToolCall(name, text[pos:end]), close
 
 
 class Hermes(ToolFormat):
@@ -148,18 +201,16 @@ class Hermes(ToolFormat):
     def parse_calls(self, text, start, names):
         calls, pos = [], start
         while True:
-            head = _skip_ws(text, pos)
-            rest = text[head:]
-            if not rest.startswith(self.trigger):  # complete unless what follows may begin another block
-                return calls, pos, bool(rest) and not self.trigger.startswith(rest)
-            close = text.find(self.end, head)
-            if close < 0:
-                return calls, pos, False
-            call = self.call_of(_loads(text[head + len(self.trigger):close]))
-            if call is None or call.name not in names:
-                return calls, pos, True
+            head = _lit(text, pos, self.trigger)
+            if head < 0:  # over unless what follows may begin another block
+                return calls, pos, head == _BAD
+            call, end = self.call_at(text, head, names, (self.end,))
+            if call is None:
+                return calls, pos, end == _BAD
             calls.append(call)
-            pos = close + len(self.end)
+            if not call.complete:
+                return calls, end, False
+            pos = end
 
 
 class Llama3Json(ToolFormat):
@@ -183,20 +234,18 @@ class Llama3Json(ToolFormat):
         return 0 if text.startswith(self.trigger) else -1
 
     def parse_calls(self, text, start, names):
-        calls, pos, decoder = [], start, json.JSONDecoder()
+        calls, pos, head = [], start, start
         while True:
-            try:
-                obj, end = decoder.raw_decode(text, pos)
-            except ValueError:
-                return calls, pos, False
-            call = self.call_of(obj)
-            if call is None or call.name not in names:
-                return calls, pos, True
+            call, end = self.call_at(text, head, names, ())
+            if call is None:
+                return calls, pos, end == _BAD
             calls.append(call)
+            if not call.complete:
+                return calls, end, False
             pos = end
-            if not text.startswith("; ", pos):
-                return calls, pos, not "; ".startswith(text[pos:]) or pos == len(text)
-            pos += 2
+            head = _lit(text, pos, ";")
+            if head < 0:
+                return calls, pos, head == _BAD
 
 
 class Mistral(ToolFormat):
@@ -224,24 +273,24 @@ class Mistral(ToolFormat):
         return [f"calls: {token(self.trigger)} arr", f"arr: %json {json.dumps(schema, ensure_ascii=False)}"]
 
     def parse_calls(self, text, start, names):
-        pos = start + len(self.trigger)
-        if not text.startswith("[", pos):
-            return [], start, len(text) > pos
-        calls, pos, decoder = [], pos + 1, json.JSONDecoder()
+        head = _lit(text, start + len(self.trigger), "[")
+        if head < 0:
+            return [], start, head == _BAD
+        calls, pos = [], start
         while True:  # element by element: the calls before one cut short are whole
-            try:
-                obj, end = decoder.raw_decode(text, pos)
-            except ValueError:
-                return calls, pos, False
-            call = self.call_of(obj)
-            if call is None or call.name not in names:
-                return calls, pos, True
+            call, end = self.call_at(text, head, names, ())
+            if call is None:
+                return calls, pos, end == _BAD
             calls.append(call)
-            if text.startswith("]", end):
-                return calls, end + 1, True
-            if not text.startswith(", ", end):
-                return calls, end, not ", ".startswith(text[end:])
-            pos = end + 2
+            if not call.complete:
+                return calls, end, False
+            pos = end
+            close = _lit(text, end, "]")
+            if close >= 0:
+                return calls, close, True
+            head = _lit(text, end, ",")
+            if head < 0:
+                return calls, pos, head == _BAD and close == _BAD
 
 
 FORMATS = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}
@@ -372,6 +421,15 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
+def _lit(text: str, pos: int, lit: str) -> int:
+    """The position after `lit` at pos (whitespace before it skipped), else _MORE or _BAD."""
+    pos = _skip_ws(text, pos)
+    got = text[pos:pos + len(lit)]
+    if got == lit:
+        return pos + len(lit)
+    return _MORE if lit.startswith(got) else _BAD
+
+
 def _partial_suffix(text: str, trigger: str) -> int:
     """The length of text's longest suffix that begins the trigger (held back while streaming)."""
     for n in range(min(len(trigger) - 1, len(text)), 0, -1):
@@ -381,19 +439,31 @@ def _partial_suffix(text: str, trigger: str) -> int:
 
 
 class ToolStream:
-    """A streamed choice's text scanned as it grows: feed(delta) -> (new content, new calls); content
-    is given as soon as it cannot be the start of a call, each call once whole."""
+    """A streamed choice's text read as it grows: feed(delta) -> (new content, CallDeltas); content is
+    given as soon as it cannot be the start of a call; a call's id and name once its name is written,
+    then its arguments as they come."""
 
     def __init__(self, fmt: ToolFormat, names: set, drop: tuple = ()):
         self.fmt, self.names, self.drop = fmt, names, drop
-        self.text, self.sent, self.num_calls = "", 0, 0
+        self.text, self.sent = "", 0
+        self.calls: list[ToolCall] = []  # the calls so far, with their ids
+        self.num_ended = 0
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list]:
         self.text += delta  # a special token's text comes whole, in one delta
         scan = self.fmt.scan(_without(self.text, self.drop), self.names, final)
         content, self.sent = scan.content[self.sent:], max(self.sent, len(scan.content))
-        calls, self.num_calls = scan.calls[self.num_calls:], max(self.num_calls, len(scan.calls))
-        return content, calls
+        deltas = []
+        for i, c in enumerate(scan.calls[self.num_ended:], self.num_ended):
+            first = i == len(self.calls)
+            sent = "" if first else self.calls[i].arguments
+            call = dataclasses.replace(c, id=new_call_id() if first else self.calls[i].id)
+            self.calls[i:i + 1] = [call]
+            ended = c.complete or final
+            if first or ended or len(c.arguments) > len(sent):
+                deltas.append(CallDelta(i, call, c.arguments[len(sent):], first, ended))
+            self.num_ended += ended
+        return content, deltas
 
 
 def tool_format(tokenizer, name: str | None = None) -> ToolFormat:
@@ -426,11 +496,16 @@ class ToolParsing:
 def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokenizer, reasoning=None):
     """(params, ToolParsing) of a request whose tools are rendered: with tool_choice other than none,
     its output constrained to the format's calls (the markers kept in the text, which is parsed);
-    else (params, None). Every door goes through here."""
+    else (params, None), a reasoning request's structured output constrained after its reasoning.
+    Every chat request, on every door, goes through here."""
+    from pagoda.engine.reasoning import after_reasoning
     from pagoda.engine.structured import StructuredOutputs
 
     if tools is None or not tools.constrains:
-        return params, None
+        if reasoning is None or params.structured_outputs is None:
+            return params, None
+        so = after_reasoning(params.structured_outputs, reasoning, token_spelling(tokenizer))
+        return params.replace(structured_outputs=so), None
     if params.structured_outputs is not None:
         raise InvalidRequestError("structured_outputs", f"conflicts with tool_choice {tools.choice!r}: set "
                                                         f"tool_choice none for a structured answer")
@@ -442,7 +517,7 @@ def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokeniz
         so = StructuredOutputs(grammar=lazy, trigger=fmt.trigger)
     else:
         grammar = tools.grammar(fmt, token)
-        so = StructuredOutputs(grammar=reasoning.wrap(grammar, token) if reasoning is not None else grammar)
+        so = after_reasoning(StructuredOutputs(grammar=grammar), reasoning, token)
     markers = {fmt.trigger, getattr(fmt, "end", None)}
     drop = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if t not in markers)
     return (params.replace(structured_outputs=so, skip_special_tokens=False),
@@ -494,10 +569,13 @@ def _template_call(where: str, c) -> dict:
 
 @dataclass(frozen=True)
 class Answer:
-    """A completion read back: its reasoning (None: not a reasoning request), content and tool calls."""
+    """A completion read back: its reasoning (None: not a reasoning request), content and tool calls
+    (ToolCalls: whole ones, or one cut short last; streamed: those that ended in this piece), and in a
+    stream the calls' pieces (CallDeltas)."""
     reasoning: str | None
     content: str
     calls: list
+    deltas: tuple = ()
 
 
 def read_answer(req, text: str) -> Answer:
@@ -508,7 +586,7 @@ def read_answer(req, text: str) -> Answer:
     if req.tool_parsing is None:
         return Answer(reasoning, text, [])
     scan = req.tool_parsing.scan(text)
-    return Answer(reasoning, scan.content, scan.calls)
+    return Answer(reasoning, scan.content, [dataclasses.replace(c, id=new_call_id()) for c in scan.calls])
 
 
 class AnswerStream:
@@ -522,8 +600,9 @@ class AnswerStream:
         self.tools = req.tool_parsing and req.tool_parsing.stream()
 
     @property
-    def num_calls(self) -> int:
-        return self.tools.num_calls if self.tools else 0
+    def calls(self) -> list:
+        """The calls so far (the last one maybe not complete)."""
+        return self.tools.calls if self.tools else []
 
     def feed(self, delta: str, final: bool = False) -> Answer:
         reasoning = None
@@ -531,5 +610,5 @@ class AnswerStream:
             reasoning, delta = self.reasoning.feed(delta, final)
         if not self.tools:
             return Answer(reasoning, delta, [])
-        content, calls = self.tools.feed(delta, final)
-        return Answer(reasoning, content, calls)
+        content, deltas = self.tools.feed(delta, final)
+        return Answer(reasoning, content, [d.call for d in deltas if d.ended], tuple(deltas))

@@ -15,8 +15,8 @@ from pagoda.engine.outputs import FINISH_REASONS
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured import StructuredOutputs
 from pagoda.engine.reasoning import reasoning_for
-from pagoda.engine.tools import (AnswerStream, check_tools, constrain, message_tool_fields, read_answer, tool_format,
-                                 with_parsing)
+from pagoda.engine.tools import (AnswerStream, check_tools, constrain, ends_in_calls, message_tool_fields, read_answer,
+                                 tool_format, with_parsing)
 from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
                                      new_request_id)
 from pagoda.server.options import ServerOptions
@@ -219,7 +219,7 @@ def finish_reason(out, calls=()) -> int:
     """The FinishReason of an engine RequestOutput (UNSPECIFIED while not finished), through the one map;
     TOOL_CALLS where it ended normally after tool calls."""
     reason = out.stop_reason
-    if calls and FINISH_REASONS.get(reason, FINISH_REASONS["error"]).openai == "stop":
+    if ends_in_calls(calls) and FINISH_REASONS.get(reason, FINISH_REASONS["error"]).openai == "stop":
         reason = "tool_calls"
     names = FINISH_REASONS.get(reason) if out.finished else None
     return pb.FinishReason.Value("FINISH_REASON_" + names.grpc) if names else pb.FINISH_REASON_UNSPECIFIED
@@ -253,6 +253,11 @@ def tool_calls(calls) -> list[pb.ToolCall]:
     return [pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
+def tool_call_deltas(deltas) -> list[pb.ToolCallDelta]:
+    return [pb.ToolCallDelta(index=d.index, id=d.call.id if d.first else "", name=d.call.name if d.first else "",
+                             arguments=d.arguments) for d in deltas if d.first or d.arguments]
+
+
 def answer_stream(req) -> AnswerStream | None:
     """A streamed completion's reader of its tool calls and reasoning; None when it has neither."""
     return AnswerStream(req) if req.tool_parsing is not None or req.reasoning is not None else None
@@ -266,9 +271,10 @@ def stream_response(request_id: str, out, prompt_index: int = 0, answer=None) ->
                                     token_ids=out.token_ids, logprobs=logprobs(out.logprobs), index=out.index,
                                     prompt_index=prompt_index, prompt_logprobs=prompt_logprobs(out.prompt_logprobs),
                                     tool_calls=tool_calls(new.calls if new else []),
-                                    reasoning_content=(new and new.reasoning) or "")
+                                    reasoning_content=(new and new.reasoning) or "",
+                                    tool_call_deltas=tool_call_deltas(new.deltas if new else ()))
     if out.finished:
-        msg.finish_reason = finish_reason(out, answer is not None and answer.num_calls)
+        msg.finish_reason = finish_reason(out, answer.calls if answer is not None else ())
         msg.usage.CopyFrom(usage(out))
     return msg
 

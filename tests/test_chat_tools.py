@@ -35,8 +35,8 @@ ORDER = {"type": "object", "properties": {
                                                            "country": {"enum": ["FR", "DE", "JP"]}},
                           "required": ["zip", "country"], "additionalProperties": False}}}
 NOTHING = {"type": "object", "properties": {}, "additionalProperties": False}
-# every schema closed and bounded: a random model fills an open one until max_tokens (a call cut short
-# is content, never a call)
+# every schema closed and bounded: a random model fills an open one until max_tokens (a call cut short,
+# finish_reason length)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": WEATHER, "strict": True}},
          {"type": "function", "function": {"name": "place_order", "parameters": ORDER}},
@@ -67,16 +67,22 @@ def oai(srv):
     return openai_client(srv)
 
 
-def check_calls(message, allowed=None):
-    """Every call parses and validates; returns them as (name, arguments)."""
+def check_calls(message, allowed=None, finish_reason="tool_calls"):
+    """Every call parses and validates (but for the last one of an answer cut short: finish_reason length,
+    which is as far as it was written, a prefix of a valid call); returns them as (name, arguments)."""
     assert message.tool_calls, message
     calls = []
-    for c in message.tool_calls:
+    for k, c in enumerate(message.tool_calls):
         assert c.type == "function" and c.id.startswith("call_")
         assert c.function.name in (allowed or SCHEMAS)
+        calls.append((c.function.name, c.function.arguments))
+        if finish_reason == "length" and k == len(message.tool_calls) - 1:
+            try:
+                json.loads(c.function.arguments)
+            except ValueError:
+                continue
         args = json.loads(c.function.arguments)
         jsonschema.validate(args, SCHEMAS[c.function.name])
-        calls.append((c.function.name, c.function.arguments))
     return calls
 
 
@@ -114,11 +120,11 @@ def test_required_calls_always_parse_and_validate(oai, srv, family, temperature)
             assert choice_out.message.tool_calls is None and choice_out.finish_reason in ("stop", "length")
             continue
         named = choice["function"]["name"] if isinstance(choice, dict) else None
-        calls = check_calls(choice_out.message, [named] if named else None)
+        calls = check_calls(choice_out.message, [named] if named else None, choice_out.finish_reason)
         if named or parallel is False:
             assert len(calls) == 1 and choice_out.finish_reason == "tool_calls", choice_out
         else:  # parallel calls: a random model may go on calling until max_tokens (the last one cut short
-            # is content then, never a call)
+            # then, finish_reason length)
             assert choice_out.finish_reason in ("tool_calls", "length")
     wait_all_blocks_free(Client(srv.target, timeout=30))
 
@@ -127,19 +133,26 @@ def test_stream_equals_unary(oai, srv, family):
     tok = srv.engine.tokenizer
     bias = {str(tok.convert_tokens_to_ids(TRIGGERS[family])): 100}
     for choice, extra in (("required", {"parallel_tool_calls": False}), ("auto", {"logit_bias": bias}),
-                          ("auto", {})):
-        kw = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=300, seed=7,
-                  temperature=0.9, **extra)
+                          ("auto", {}), ("required", {"max_tokens": 24})):  # the last: cut inside its call
+        kw = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice=choice, seed=7, temperature=0.9,
+                  **{"max_tokens": 300, **extra})
         whole = oai.chat.completions.create(**kw).choices[0]
-        content, calls, finish = "", {}, None
+        content, calls, finish, pieces = "", {}, None, {}
         for chunk in oai.chat.completions.create(**kw, stream=True):
             for c in chunk.choices:
                 content += c.delta.content or ""
                 for d in c.delta.tool_calls or []:
-                    if d.id:
+                    if d.id:  # a call's first piece: its id, type and name, no arguments yet
+                        assert d.index == len(calls) and d.type == "function" and d.function.arguments == ""
                         calls[d.index] = [d.id, d.function.name, ""]
+                    else:
+                        assert d.function.name is None and d.function.arguments
+                        pieces[d.index] = pieces.get(d.index, 0) + 1
                     calls[d.index][2] += d.function.arguments or ""
                 finish = c.finish_reason or finish
+        # the arguments come in pieces as the tokens come (a call's arguments are several tokens)
+        assert all(pieces.get(k, 0) >= 2 for k, (_, _, a) in calls.items() if len(a) >= 16)
+        assert not calls or "max_tokens" in extra or max(pieces.values()) >= 3
         assert finish == whole.finish_reason
         assert (content or None) == whole.message.content
         assert all(t not in content for t in tok.all_special_tokens if t != TRIGGERS[family])  # EOS: no text
@@ -147,6 +160,10 @@ def test_stream_equals_unary(oai, srv, family):
         assert got == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
         if choice == "required":
             assert got and all(i.startswith("call_") for i, _, _ in calls.values())
+        if extra.get("max_tokens"):  # cut short: the call as far as written, on both, finish_reason length
+            assert whole.finish_reason == "length" and whole.message.content is None
+            with pytest.raises(ValueError):
+                json.loads(whole.message.tool_calls[-1].function.arguments)
 
 
 def test_tool_result_round_trip(oai, family):
@@ -240,6 +257,10 @@ def test_grpc_calls_validate_and_the_stream_equals_the_unary_answer(srv):
             msgs = list(c.stub.GenerateStream(stream_req, timeout=60))
             assert "".join(m.text for m in msgs) == whole.text
             assert [(t.name, t.arguments) for m in msgs for t in m.tool_calls] == [(call.name, call.arguments)]
+            deltas = [d for m in msgs for d in m.tool_call_deltas]  # id and name, then the arguments in pieces
+            assert deltas[0].id == next(t.id for m in msgs for t in m.tool_calls) and deltas[0].name == call.name
+            assert all(d.index == 0 and not d.id and not d.name for d in deltas[1:]) and len(deltas) >= 3
+            assert "".join(d.arguments for d in deltas) == call.arguments
             assert msgs[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
         # the call and its result sent back: the next turn renders
         history = [pb.ChatMessage(**m) for m in MESSAGES] + [

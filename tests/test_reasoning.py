@@ -1,7 +1,7 @@
 """engine/reasoning.py: a reasoning model's <think>...</think> read apart from the answer (whole and
 streamed alike, the tag opened in the answer or by the template), chat_template_kwargs' allow-list,
-and over HTTP (a Qwen3-style template): reasoning_content, and tool calls constrained only after
-</think>."""
+and over HTTP (a Qwen3-style template): reasoning_content, and tool calls or a structured output
+constrained only after </think>."""
 import json
 
 import llguidance
@@ -81,6 +81,35 @@ def test_calls_are_constrained_only_after_the_reasoning(family):
     assert not accepts("<think>x</think>\n\n" + call.replace('"x": 2', '"x": 3'))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen"])
+@pytest.mark.parametrize("kind, value, good, bad", [
+    ("json", {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}, '{"x":2}', '{"x":3}'),
+    ("regex", r"[0-9]{2}/[a-z]", "42/q", "4/q"),
+    ("choice", ["東京", "}"], "}", "Köln"),
+    ("grammar", 'start: "a" B\nB: /[0-9]+/', "a12", "b12"),
+])
+def test_a_structured_output_is_constrained_only_after_the_reasoning(family, kind, value, good, bad):
+    """response_format (any constraint) of a reasoning request: the reasoning free, the answer after
+    </think> constrained (tags as tokens, Qwen3, and as plain text)."""
+    from pagoda.engine.reasoning import after_reasoning
+    from pagoda.engine.structured import StructuredOutputs
+
+    tok = build_tool_tokenizer(family)
+    so = after_reasoning(StructuredOutputs(**{kind: value}), Reasoning(), token_spelling(tok))
+    ltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok), eos_token=[tok.eos_token_id])
+
+    def accepts(text):
+        m = llguidance.LLMatcher(ltok, llguidance.LLMatcher.grammar_from_lark(so.grammar), log_level=0)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+    assert accepts(good) and accepts("<think>\nfree {text: 東京\n</think>\n\n" + good)
+    assert not accepts("<think>\nfree\n</think>\n\n" + bad) and not accepts("free text " + good)
+    assert after_reasoning(StructuredOutputs(**{kind: value}), None, token_spelling(tok)).kind == kind
+    with pytest.raises(InvalidRequestError) as e:  # a bad constraint still names its own field
+        after_reasoning(StructuredOutputs(json={"type": "object", "properties": {"x": {"type": "nope"}}}),
+                        Reasoning(), token_spelling(tok))
+    assert e.value.field == "structured_outputs.json"
+
+
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     path = build_tool_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "qwen3")
@@ -103,6 +132,57 @@ def test_http_reasoning_then_a_call(srv):
     chunks = list(oai.chat.completions.create(**kw, stream=True))
     args = "".join(d.function.arguments or "" for c in chunks for ch in c.choices for d in ch.delta.tool_calls or [])
     assert args == whole.message.tool_calls[0].function.arguments
+
+
+def test_http_reasoning_then_a_json_answer(srv):
+    """response_format json_schema of a reasoning request: the reasoning free (some text before
+    </think>), the content after it valid; the stream equals the unary answer."""
+    oai = openai_client(srv)
+    tok = srv.engine.tokenizer
+    schema = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}
+    bias = {str(tok.convert_tokens_to_ids("<think>")): 100, str(tok.convert_tokens_to_ids("</think>")): 6}
+    kw = dict(model="m", messages=MESSAGES, max_tokens=80, logit_bias=bias, temperature=0.8, seed=1,
+              response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    whole = oai.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "stop" and json.loads(whole.message.content)["x"] in (1, 2)
+    assert whole.message.model_extra["reasoning_content"]  # free text before </think>
+    chunks = list(oai.chat.completions.create(**kw, stream=True))
+    deltas = [ch.delta for c in chunks for ch in c.choices]
+    assert "".join(d.content or "" for d in deltas) == whole.message.content
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == \
+        whole.message.model_extra["reasoning_content"]
+    with pytest.raises(openai.BadRequestError) as e:  # a bad schema still names its field
+        oai.chat.completions.create(**{**kw, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": {"type": "object", "properties": {"x": {"type": "nope"}}}}}})
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_responses_reasoning_item(srv):
+    """The Responses API: the reasoning as a `reasoning` item (its text the content) before the message,
+    whole and streamed alike (response.reasoning_text.delta / .done)."""
+    oai = openai_client(srv)
+    tok = srv.engine.tokenizer
+    schema = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": False}
+    bias = {str(tok.convert_tokens_to_ids("<think>")): 100, str(tok.convert_tokens_to_ids("</think>")): 6}
+    kw = dict(model="m", input=MESSAGES[0]["content"], max_output_tokens=80, temperature=0.8,
+              extra_body={"seed": 1, "logit_bias": bias},
+              text={"format": {"type": "json_schema", "name": "a", "schema": schema}})
+    r = oai.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.status == "completed"
+    thought = r.output[0].content[0].text
+    assert thought and r.output[0].summary == [] and json.loads(r.output[1].content[0].text)["x"] in (1, 2)
+    events = list(oai.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["reasoning", "message"]
+    assert done.output[0].content[0].text == thought and done.output[1].content[0].text == r.output[1].content[0].text
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    # a reasoning item sent back as input is taken (and not rendered)
+    nxt = oai.responses.create(model="m", max_output_tokens=2, input=[
+        {"role": "user", "content": "Warum?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+        {"role": "user", "content": "Und?"}])
+    assert nxt.status in ("completed", "incomplete")
 
 
 def test_http_reasoning_content_and_template_kwargs(srv):
@@ -139,3 +219,13 @@ def test_grpc_reasoning_content(srv):
         assert whole.reasoning_content == "<think>" * 4 and whole.text == ""
         stream = pb.GenerateStreamRequest.FromString(req.SerializeToString())
         assert "".join(m.reasoning_content for m in c.stub.GenerateStream(stream, timeout=60)) == "<think>" * 4
+        # a structured output after the reasoning: free reasoning, then the answer valid (stream == unary)
+        req.structured_output.regex = "[0-9]{3}"
+        req.stopping.max_tokens, req.sampling.temperature, req.sampling.seed = 60, 0.8, 2
+        req.sampling.logit_bias[tok.convert_tokens_to_ids("</think>")] = 6
+        whole = c.stub.Generate(req, timeout=60)
+        assert whole.reasoning_content and whole.text.isdigit() and len(whole.text) == 3
+        stream = pb.GenerateStreamRequest.FromString(req.SerializeToString())
+        msgs = list(c.stub.GenerateStream(stream, timeout=60))
+        assert "".join(m.text for m in msgs) == whole.text
+        assert "".join(m.reasoning_content for m in msgs) == whole.reasoning_content

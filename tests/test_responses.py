@@ -63,8 +63,11 @@ def test_function_calls_and_the_next_turn(oai):
                                            extra_body={"seed": seed}, stream=True))
         done = [e for e in events if e.type == "response.function_call_arguments.done"]
         assert [(e.name, e.arguments) for e in done] == [(calls[0].name, calls[0].arguments)]
-        assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == \
-            calls[0].arguments
+        deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+        assert "".join(deltas) == calls[0].arguments and len(deltas) >= 3  # in pieces, as they come
+        kinds = [e.type for e in events]  # the item first, its arguments, then its ends
+        assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.delta") \
+            < kinds.index("response.function_call_arguments.done") < kinds.index("response.output_item.done")
     # the SDK's own output items sent back, with the function's result
     nxt = oai.responses.create(model="m", tools=TOOLS, max_output_tokens=4, tool_choice="none", input=[
         {"role": "user", "content": "Weather in Köln?"}, *[o.model_dump(exclude_none=True) for o in r.output],

@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from pagoda.engine import LLM, SamplingParams
-from pagoda.engine.layers.sampler import Sampler, SamplingTensors, min_p_mask, top_k_top_p_mask
+from pagoda.engine.layers.sampler import Sampler, SamplingTensors, apply_allowed, min_p_mask, top_k_top_p_mask
 
 NEG = float("-inf")
 
@@ -15,6 +15,32 @@ def test_top_k_mask_exact():
     logits = torch.tensor([[1.0, 4.0, 3.0, 2.0], [0.5, 0.1, 0.3, 0.2]])
     out = top_k_top_p_mask(logits, torch.tensor([2, 1]), None)
     assert out.tolist() == [[NEG, 4.0, 3.0, NEG], [0.5, NEG, NEG, NEG]]
+
+
+@pytest.mark.parametrize("vocab", [70, 96])
+@pytest.mark.parametrize("subset", [False, True])
+def test_grammar_mask_exact(vocab, subset):
+    """apply_allowed: -inf exactly outside each constrained row's allowed bits (bit j of word w is token
+    32 * w + j), other rows untouched; with rescue, a row left with nothing keeps the grammar's set."""
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    rows = torch.tensor([3, 0]) if subset else None
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (2 if subset else 4, words), dtype=torch.int32, generator=g)
+    bits[1, :] = 0
+    bits[1, 1] = 1 << 7  # row 1 of the masks: token 39 only
+    logits = torch.randn(4, vocab, generator=g)
+    allowed = [{32 * w + j for w in range(words) for j in range(32) if int(b[w]) >> j & 1} for b in bits]
+    got = logits.clone()
+    apply_allowed(got, rows, bits, rescue=False)
+    for i, r in enumerate(rows.tolist() if subset else range(4)):
+        assert [t for t in range(vocab) if got[r, t] != NEG] == sorted(t for t in allowed[i] if t < vocab)
+        assert torch.equal(got[r][got[r] != NEG], logits[r][got[r] != NEG])
+    assert subset is False or torch.equal(got[[1, 2]], logits[[1, 2]])
+    banned = logits.clone()
+    banned[0 if subset else 1, 39] = NEG  # the only allowed token of a row banned (logit_bias -100)
+    apply_allowed(banned, rows, bits, rescue=True)
+    row = banned[0 if subset else 1]
+    assert row[39] == 0 and (row[torch.arange(vocab) != 39] == NEG).all()
 
 
 def test_top_p_mask_exact():

@@ -16,6 +16,7 @@ import grpc
 import jsonschema
 import openai
 import pytest
+import torch
 
 from grpc_fixtures import InProcessServer, engine_config, openai_client, slow_steps, tiny_checkpoint, \
     wait_all_blocks_free
@@ -375,6 +376,38 @@ def test_the_manager_advances_and_rolls_back_a_sequences_matcher(checkpoint):
     reason, error = manager.accept(seq, a)  # the mask never allows this: an error that says why
     assert reason is FinishReason.ERROR and error.startswith("structured output:")
     manager.close()
+
+
+def test_masks_begun_at_the_steps_start_are_the_ones_the_sampler_gets(checkpoint):
+    """start_bitmasks fills a step's masks on a thread (while the model runs); bitmasks joins them for
+    that very list of sequences, and for any other list joins them first, then fills its own."""
+    from pagoda.engine.loader import load_hf_config, load_tokenizer
+    from pagoda.engine.sequence import Sequence
+    from pagoda.engine.structured import StructuredOutputManager
+
+    path = checkpoint("llama")
+    manager = StructuredOutputManager(load_tokenizer(path), load_hf_config(path).vocab_size, [2])
+    try:
+        grammar = manager.compiler.compile(StructuredOutputs(choice=["abc", "bcd"]))
+        seqs = [Sequence(f"r{i}", [5, 6], SamplingParams(max_tokens=8)) for i in range(3)]
+        manager.add(seqs[:2], grammar)
+        while manager.num_waiting:
+            manager.wait(0.01)
+            manager.take_ready()
+        manager.accept(seqs[1], 98)  # "b": the two constrained rows differ
+        step = [seqs[2], seqs[0], seqs[1]]  # row 0 free
+        serial = manager.bitmasks(step)
+        manager.start_bitmasks(step)
+        assert manager.pending is not None
+        rows, bits = manager.bitmasks(step)
+        assert manager.pending is None and rows == serial[0] == [1, 2] and torch.equal(bits, serial[1])
+        manager.start_bitmasks(step)
+        other = manager.bitmasks(seqs[:1])  # another list: the begun masks are joined, not taken
+        assert manager.pending is None and other[0] == [0] and torch.equal(other[1], serial[1][:1])
+        manager.start_bitmasks([seqs[2]])  # nothing constrained: nothing begun
+        assert manager.pending is None and manager.bitmasks([seqs[2]]) is None
+    finally:
+        manager.close()
 
 
 @pytest.mark.parametrize("trigger", ["", 3, "\ud800"])

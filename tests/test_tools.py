@@ -1,6 +1,7 @@
 """engine/tools.py: each format's grammar takes its own calls (fixed separators, no free whitespace)
-and refuses anything else; scanning returns only calls that parse and name a tool (a call cut short
-is content), and scanning a stream piece by piece gives what scanning the whole does; tools,
+and refuses anything else; scanning returns the calls of a tool (one cut short last, not complete,
+as far as it was written), and scanning a stream piece by piece gives what scanning the whole does,
+each call's id and name first and its arguments in pieces; tools,
 tool_choice and parallel_tool_calls are checked by field; formats are detected from the template."""
 import json
 
@@ -9,7 +10,7 @@ import llguidance.hf
 import pytest
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.tools import FORMATS, ToolStream, check_tools, detect, token_spelling, tool_format
+from pagoda.engine.tools import FORMATS, ToolStream, check_tools, detect, ends_in_calls, token_spelling, tool_format
 from tool_templates import FAMILIES, build_tool_tokenizer
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "tags": {"type": "array", "items": {
@@ -62,40 +63,64 @@ def test_the_grammar_takes_the_formats_calls_and_nothing_else(name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
-def test_scan_returns_whole_valid_calls_and_the_rest_as_content(name):
+def test_scan_returns_the_calls_and_the_rest_as_content(name):
     fmt, text = FORMATS[name], CALLS[name]
     scan = fmt.scan(text, NAMES)
-    assert [(c.name, json.loads(c.arguments)) for c in scan.calls] == [
-        ("f", {"city": "東京", "where": {"lat": 1.5}}), ("g", {})]
+    assert [(c.name, c.arguments, c.complete) for c in scan.calls] == [("f", F_ARGS, True), ("g", "{}", True)]
     assert scan.content == ("" if name == "llama3_json" else "Zürich ")
-    assert all(c.id.startswith("call_") for c in scan.calls)
-    cut = text[:-5]  # the second call cut short (max_tokens): the first call, the rest is content
+    cut = text[:text.index('{"city"') + 12]  # cut inside f's arguments (max_tokens): f as far as written
     scan = fmt.scan(cut, NAMES)
-    assert [c.name for c in scan.calls] == ["f"] and scan.content.endswith(cut[-8:])
+    assert [(c.name, c.arguments, c.complete) for c in scan.calls] == [("f", '{"city": "東京', False)]
+    assert scan.content == ("" if name == "llama3_json" else "Zürich ")
+    cut = text[:text.index('"name": "g"') + 8]  # cut before g's name is whole: the call syntax is no content
+    assert [(c.name, c.complete) for c in fmt.scan(cut, NAMES).calls] == [("f", True)]
+    assert fmt.scan(cut, NAMES).content == fmt.scan(text, NAMES).content
     assert fmt.scan(text, {"g"}).calls == []  # a call of an unknown function: all content
     assert fmt.scan(text, {"g"}).content == text
     assert fmt.scan("plain text", NAMES).content == "plain text"
+    assert ends_in_calls(fmt.scan(text, NAMES).calls) and not ends_in_calls(fmt.scan(text[:-3], NAMES).calls)
 
 
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("cut", [None, -1, -5, -30])
 def test_streamed_scan_equals_the_whole(name, cut):
+    """Each call's id and name first, then its arguments in pieces; joined, the whole answer's calls."""
     fmt, text = FORMATS[name], CALLS[name][:cut]
     whole = fmt.scan(text, NAMES)
     for step in (1, 3, 7):
-        stream, content, calls = ToolStream(fmt, NAMES), "", []
+        stream, content, calls, ended = ToolStream(fmt, NAMES), "", {}, []
         pieces = [text[i:i + step] for i in range(0, len(text), step)]
         for i, piece in enumerate(pieces):
-            c, new = stream.feed(piece, final=i == len(pieces) - 1)
-            content, calls = content + c, calls + new
+            c, deltas = stream.feed(piece, final=i == len(pieces) - 1)
+            content += c
+            for d in deltas:
+                assert d.first == (d.index not in calls) and d.index == len(calls) - (not d.first)
+                if d.first:
+                    assert d.call.id.startswith("call_") and d.index == len(ended)
+                    calls[d.index] = [d.call.id, d.call.name, ""]
+                calls[d.index][2] += d.arguments
+                if d.ended:
+                    ended.append(d.call)
         assert content == whole.content
-        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
+        got = [tuple(calls[k][1:]) for k in sorted(calls)]
+        assert got == [(c.name, c.arguments) for c in whole.calls] == [(c.name, c.arguments) for c in ended]
+        assert [c.complete for c in ended] == [c.complete for c in whole.calls]
+        assert [c.id for c in ended] == [calls[k][0] for k in sorted(calls)]
+        if step == 1 and whole.calls and len(whole.calls[0].arguments) > 8:
+            assert len([d for d in stream_deltas(fmt, text) if d.index == 0 and d.arguments]) > 8  # pieces
+
+
+def stream_deltas(fmt, text):
+    stream = ToolStream(fmt, NAMES)
+    return [d for i, ch in enumerate(text) for d in stream.feed(ch, final=i == len(text) - 1)[1]]
 
 
 def test_content_before_a_call_streams_at_once():
     stream = ToolStream(FORMATS["hermes"], NAMES)
     assert stream.feed("Hello <tool") == ("Hello ", [])  # "<tool" may begin the trigger: held
     assert stream.feed("_call>\n{") == ("", [])
+    content, (d,) = stream.feed('"name": "f", "arguments": {"c')  # the name whole: id and name go out
+    assert content == "" and d.first and d.call.name == "f" and d.arguments == '{"c' and not d.ended
 
 
 @pytest.mark.parametrize("tools, choice, parallel, field", [

@@ -1,9 +1,9 @@
 """Next-token choice for a whole batch at once: penalties, temperature, top-k, top-p, min-p,
 then greedy rows take the argmax and the rest sample by an exponential race (which lets a
 seeded row draw from its own generator, whatever else is in the batch)."""
+import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -58,35 +58,32 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: to
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-_NEG_INF_BITS = -8388608  # float32 -inf as an int32 (0xFF800000)
-
-
 def apply_allowed(logits: torch.Tensor, rows: torch.Tensor | None, bits: torch.Tensor, rescue: bool) -> None:
     """-inf outside each constrained row's allowed tokens (bits: int32 [R, ceil(vocab / 32)], bit j of word
-    w is token 32 * w + j; rows None: every row). With `rescue` (the step banned tokens), a row left with
-    nothing (min_tokens or logit_bias banned all the grammar allows) keeps the grammar's set."""
-    sub = logits if rows is None else logits[rows]  # [R, vocab] float32
-    allowed = _unpack(bits, logits.shape[-1])  # uint8 [R, vocab], 1: allowed
-    if sub.device.type == "cpu":
-        # as bits, vectorised: 6x faster than masked_fill_ on CPU (keep: all ones where allowed)
-        keep = allowed.to(torch.int32).neg_()
-        as_int = sub.view(torch.int32)
-        as_int.bitwise_and_(keep).bitwise_or_(keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS))
+    w is token 32 * w + j; rows None: every row), in two passes over the constrained rows only: each
+    bitmask byte looked up as its 8 tokens' 0 / -inf, then added in place. With `rescue` (the step banned
+    tokens), a row left with nothing (min_tokens or logit_bias banned all the grammar allows) keeps the
+    grammar's set."""
+    vocab = logits.shape[-1]
+    table = _byte_masks(logits.device)
+    # bits as bytes, little-endian: byte b of word w holds tokens 32 * w + 8 * b ... + 7
+    add = torch.nn.functional.embedding(bits.view(torch.uint8).long(), table)  # [R, 4 * words, 8]
+    add = add.view(len(bits), -1)[:, :vocab]  # [R, vocab] float32: 0 allowed, -inf not
+    if rows is None:
+        logits.add_(add)
     else:
-        sub.masked_fill_(allowed == 0, float("-inf"))
+        logits.index_add_(0, rows, add)
     if rescue:
+        sub = logits if rows is None else logits[rows]
         stuck = (sub == float("-inf")).all(dim=-1, keepdim=True)
-        sub = torch.where(stuck, torch.zeros_like(sub).masked_fill_(allowed == 0, float("-inf")), sub)
-    if rows is not None or rescue:
-        logits[rows if rows is not None else slice(None)] = sub
+        logits[rows if rows is not None else slice(None)] = torch.where(stuck, add, sub)
 
 
-def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 bitmasks [R, words] -> uint8 [R, vocab_size] of 0/1."""
-    if bits.device.type == "cpu":
-        return torch.from_numpy(np.unpackbits(bits.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size])
-    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
-    return ((bits[:, :, None] >> shifts) & 1).to(torch.uint8).view(len(bits), -1)[:, :vocab_size]
+@functools.cache
+def _byte_masks(device: torch.device) -> torch.Tensor:
+    """float32 [256, 8]: a bitmask byte's 8 tokens, 0 where its bit is set, else -inf."""
+    set_ = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.zeros(256, 8).masked_fill_(set_ == 0, float("-inf")).to(device)
 
 
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

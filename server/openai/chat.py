@@ -9,8 +9,8 @@ from fastapi.responses import Response
 
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.reasoning import check_template_kwargs, reasoning_for
-from pagoda.engine.tools import (AnswerStream, check_tools, constrain, message_tool_fields, read_answer, tool_format,
-                                 with_parsing)
+from pagoda.engine.tools import (AnswerStream, check_tools, constrain, ends_in_calls, message_tool_fields, read_answer,
+                                 tool_format, with_parsing)
 from pagoda.server.openai.protocol import ChatMessage, ChatRequest, sampling_params
 from pagoda.server.openai.serving import Call, Serving, usage
 
@@ -51,7 +51,7 @@ def _whole(body: ChatRequest, call: Call, outs: list) -> dict:
             message["reasoning_content"] = answer.reasoning or None
         if answer.calls:
             message["tool_calls"] = [_tool_call(c) for c in answer.calls]
-        finish = "tool_calls" if answer.calls and out.finish_reason == "stop" else out.finish_reason
+        finish = "tool_calls" if ends_in_calls(answer.calls) and out.finish_reason == "stop" else out.finish_reason
         choices.append(_with_extras(body, call, out, {
             "index": out.index, "message": message,
             "logprobs": None if out.logprobs is None else call.logprobs.chat(out.logprobs), "finish_reason": finish}))
@@ -84,11 +84,12 @@ async def _chunks(body: ChatRequest, call: Call, outputs):
             stream = streams.setdefault(out.index, AnswerStream(req))
             answer = stream.feed(out.text, out.finished)
             delta = {k: v for k, v in (("reasoning_content", answer.reasoning), ("content", answer.content)) if v}
-            finish = "tool_calls" if finish == "stop" and stream.num_calls else finish
-            for k, c in enumerate(answer.calls, stream.num_calls - len(answer.calls)):
-                for part in ({"index": k, "id": c.id, "type": "function", "function": {"name": c.name,
-                                                                                        "arguments": ""}},
-                             {"index": k, "function": {"arguments": c.arguments}}):  # id and name, then arguments
+            finish = "tool_calls" if finish == "stop" and ends_in_calls(stream.calls) else finish
+            for d in answer.deltas:  # a call's id and name first, then its arguments as they come
+                parts = [{"index": d.index, "id": d.call.id, "type": "function",
+                          "function": {"name": d.call.name, "arguments": ""}}] if d.first else []
+                parts += [{"index": d.index, "function": {"arguments": d.arguments}}] if d.arguments else []
+                for part in parts:
                     yield {**head, "choices": [{"index": out.index, "delta": {"tool_calls": [part]},
                                                 "logprobs": None, "finish_reason": None}]}
         if delta or out.finished or out.token_ids or first:

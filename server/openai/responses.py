@@ -186,31 +186,58 @@ def _message(item_id: str, text: str, status: str = "completed") -> dict:
             if status == "completed" else []}
 
 
-def _function_call(c, status: str = "completed", arguments: str | None = None) -> dict:
+def _function_call(c, status: str | None = None, arguments: str | None = None) -> dict:
+    """A function_call item; its status by default completed, or incomplete when cut short."""
+    status = status or ("completed" if c.complete else "incomplete")
     return {"id": "fc_" + c.id.removeprefix("call_"), "type": "function_call", "call_id": c.id, "name": c.name,
             "arguments": c.arguments if arguments is None else arguments, "status": status}
+
+
+def _reasoning(item_id: str, text: str, status: str = "completed") -> dict:
+    """A reasoning item: the model's <think> text as its content (no summary is made)."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "encrypted_content": None, "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
 
 
 def _whole(body: ResponsesRequest, call: Call, outs: list) -> dict:
     (_, out), = outs
     answer = read_answer(call.reqs[0], out.text)
-    output = [_message("msg_" + new_request_id(), answer.content)] if answer.content or not answer.calls else []
+    output = [_reasoning("rs_" + new_request_id(), answer.reasoning)] if answer.reasoning else []
+    output += [_message("msg_" + new_request_id(), answer.content)] if answer.content or not answer.calls else []
     output += [_function_call(c) for c in answer.calls]
     return _response(body, call, "completed", output, out)
 
 
 async def _events(body: ResponsesRequest, call: Call, outputs):
-    """The typed events: created, in_progress; a message's item, part and text deltas as the text
-    comes; each function call's item and arguments once whole; the parts' and items' ends; completed."""
+    """The typed events: created, in_progress; the reasoning's item and its text deltas (a reasoning
+    model); a message's item, part and text deltas as the text
+    comes; each function call's item once its name is written, then its arguments as they come; the
+    parts' and items' ends; completed (or incomplete)."""
     seq = iter(range(1 << 62))
     ev = lambda kind, **fields: {"type": kind, "sequence_number": next(seq), **fields}  # noqa: E731
     yield ev("response.created", response=_response(body, call, "in_progress", []))
     yield ev("response.in_progress", response=_response(body, call, "in_progress", []))
-    output, text, msg, last = [], "", None, None
+    output, text, msg, last, calls = [], "", None, None, {}  # calls: a call's index -> its output index
+    thought, thinking = "", None  # the reasoning so far, its item while it grows
     stream = AnswerStream(call.reqs[0])
     async for _, out in outputs:
         last = out
         answer = stream.feed(out.text, out.finished)
+        if answer.reasoning:
+            if thinking is None:
+                thinking = _reasoning("rs_" + new_request_id(), "", "in_progress")
+                output.append(thinking)
+                yield ev("response.output_item.added", output_index=len(output) - 1, item=thinking)
+            thought += answer.reasoning
+            yield ev("response.reasoning_text.delta", item_id=thinking["id"], output_index=output.index(thinking),
+                     content_index=0, delta=answer.reasoning)
+        if thinking is not None and (answer.content or answer.deltas or out.finished):  # the reasoning is over
+            k = output.index(thinking)
+            yield ev("response.reasoning_text.done", item_id=thinking["id"], output_index=k, content_index=0,
+                     text=thought)
+            output[k] = thinking = _reasoning(thinking["id"], thought)
+            yield ev("response.output_item.done", output_index=k, item=thinking)
+            thinking = None
         if answer.content:
             if msg is None:
                 msg = _message("msg_" + new_request_id(), "", "in_progress")
@@ -221,27 +248,32 @@ async def _events(body: ResponsesRequest, call: Call, outputs):
             text += answer.content
             yield ev("response.output_text.delta", item_id=msg["id"], output_index=output.index(msg),
                      content_index=0, delta=answer.content, logprobs=[])
-        for c in answer.calls:
-            if msg is not None:
-                async for e in _close_message(ev, output, msg, text):
-                    yield e
-                msg, text = None, ""
-            item = _function_call(c, "in_progress", "")
-            output.append(item)
-            k = len(output) - 1
-            yield ev("response.output_item.added", output_index=k, item=item)
-            yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=k, delta=c.arguments)
-            yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=k, name=c.name,
-                     arguments=c.arguments)
-            output[k] = _function_call(c)
-            yield ev("response.output_item.done", output_index=k, item=output[k])
+        for d in answer.deltas:
+            if d.first:
+                if msg is not None:
+                    async for e in _close_message(ev, output, msg, text):
+                        yield e
+                    msg, text = None, ""
+                output.append(_function_call(d.call, "in_progress", ""))
+                calls[d.index] = len(output) - 1
+                yield ev("response.output_item.added", output_index=calls[d.index], item=output[-1])
+            k = calls[d.index]
+            if d.arguments:
+                yield ev("response.function_call_arguments.delta", item_id=output[k]["id"], output_index=k,
+                         delta=d.arguments)
+            if d.ended:
+                yield ev("response.function_call_arguments.done", item_id=output[k]["id"], output_index=k,
+                         name=d.call.name, arguments=d.call.arguments)
+                output[k] = _function_call(d.call)
+                yield ev("response.output_item.done", output_index=k, item=output[k])
     if msg is not None:
         async for e in _close_message(ev, output, msg, text):
             yield e
-    if last is not None and not output:  # no text and no call: an empty message, as the whole answer has
+    if last is not None and not any(o["type"] != "reasoning" for o in output):  # no text and no call: an
+        # empty message, as the whole answer has
         output.append(_message("msg_" + new_request_id(), ""))
-        yield ev("response.output_item.added", output_index=0, item=output[0])
-        yield ev("response.output_item.done", output_index=0, item=output[0])
+        yield ev("response.output_item.added", output_index=len(output) - 1, item=output[-1])
+        yield ev("response.output_item.done", output_index=len(output) - 1, item=output[-1])
     final = _response(body, call, "completed", output, last)
     yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)
 
