@@ -82,5 +82,6 @@ class Routes:
 def _model_card(engine, name: str) -> dict:
     loaded = int(time.time() - engine.stats().uptime_s)
     return {"id": name, "object": "model", "created": loaded, "owned_by": "pagoda",
-            "max_model_len": engine.model_info.max_model_len, "deterministic": engine.model_info.deterministic,
+            "max_model_len": engine.model_info.max_model_len, "dtype": engine.model_info.dtype,
+            "deterministic": engine.model_info.deterministic,
             "speculative_config": json.loads(engine.model_info.speculative_config or "null")}
