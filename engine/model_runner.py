@@ -40,7 +40,7 @@ class ModelRunner:
                  workers=None, structured=None):
         self.device = _place(config, rank)
         hf_config = load_hf_config(config.model)
-        self.dtype = dtype_of(config.dtype, hf_config, self.device)
+        self.dtype = dtype_of(config.dtype, hf_config, self.device, config.deterministic)
         self.vocab_size = hf_config.vocab_size
         self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group)
         self.workers = workers  # tensor parallelism, on the driver: the other ranks, sent each step first
@@ -71,7 +71,7 @@ class ModelRunner:
         quantize_model_(model, config.quantization)
         if config.deterministic:
             deterministic.prepare_model_(model, dtype, fused)
-        elif device.type == "cpu":
+        elif device.type == "cpu" and not (config.cpu_linear == "onednn" and deterministic.pack_linears_(model)):
             _column_major_linears(model)
         # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
         # conversions do not vectorise; torch's own kernels are faster there)
