@@ -76,7 +76,8 @@ def vllm_env(venv: str, threads: int) -> dict:
     env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"),
                VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"),
                LD_PRELOAD=":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p]))
-    env.pop("OMP_NUM_THREADS", None)  # vLLM sizes its OpenMP pool from the bind list
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # vLLM's own OpenMP settings: it
+        env.pop(name, None)  # sizes its pool from the bind list, and these may be set for pagoda's side
     env.pop("PYTHONPATH", None)  # nothing of pagoda's environment in vLLM's interpreter
     return env
 
