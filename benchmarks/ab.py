@@ -43,7 +43,8 @@ def worker(spec: dict) -> None:
 class Variant:
     def __init__(self, name: str, options: dict, path: str, threads: int | None):
         self.name = name
-        env = dict(os.environ) | {k: str(v) for k, v in options.pop("env", {}).items()}
+        self.env = {k: str(v) for k, v in options.pop("env", {}).items()}
+        env = dict(os.environ) | self.env
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
             options.setdefault("cpu_threads", threads)
@@ -150,7 +151,7 @@ def report(args, path, variants, conditions, tok_s, first, workload) -> str:
     for v in variants:
         for c in conditions:
             med = statistics.median(tok_s[v.name, c])
-            row = [v.name, json.dumps(v.options), v.dtype, c, f"{med:.1f}",
+            row = [v.name, json.dumps(v.options | ({"env": v.env} if v.env else {})), v.dtype, c, f"{med:.1f}",
                    " / ".join(f"{x:.1f}" for x in tok_s[v.name, c]),
                    f"{med / statistics.median(tok_s[base, c]):.2f}"]
             if "busy" in conditions:

