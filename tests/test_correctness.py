@@ -70,6 +70,20 @@ def test_greedy_matches_transformers(checkpoint, family, backend):
     assert _uses_cpu_ops(llm) == (backend == "auto")
 
 
+@pytest.mark.parametrize("cpu_linear", ["onednn", "mkl"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_greedy_matches_transformers_with_either_cpu_linear_kernel(checkpoint, family, cpu_linear):
+    from pagoda.engine.layers.deterministic import PackedLinear
+    from pagoda.engine.parallel import Linear
+
+    llm = _check(checkpoint(family), dict(num_kv_blocks=128, cpu_linear=cpu_linear, device="cpu"))
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    packed = [isinstance(m.batch_invariant, PackedLinear) for m in linears]
+    assert all(packed) if cpu_linear == "onednn" else not any(packed)
+    embedding = next(m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Embedding))
+    assert embedding.weight is not None  # a tied head's packed copy leaves the lookups their rows
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_greedy_matches_with_preemption_and_chunked_prefill(checkpoint, family, backend):
