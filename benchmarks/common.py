@@ -39,7 +39,8 @@ def add_model_args(p) -> None:
                    help="random weights with this model's shapes, built once into the cache (default: tiny)")
     m.add_argument("--model", help="an existing HF checkpoint directory instead")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: float32 on CPU, bfloat16 on CUDA")
+                   help="auto: as pagoda's engine: bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX), "
+                        "else float32; bfloat16 on CUDA")
     from pagoda.engine.config import QUANTIZATIONS  # torch-free
     g.add_argument("--quantization", default="none", choices=["none", *QUANTIZATIONS],
                    help="pagoda's weight quantization: int8 weight-only linear layers (CPU; default none)")
@@ -87,9 +88,13 @@ def resolve_device(name: str) -> str:
 
 
 def resolve_dtype(name: str, device: str) -> str:
+    """The engine's choice for auto (engine/loader.py dtype_of), so that every peer gets the same dtype."""
     if name != "auto":
         return name
-    return "float32" if device == "cpu" else "bfloat16"
+    if device == "cpu":
+        from pagoda.engine.loader import native_bf16
+        return "bfloat16" if native_bf16() else "float32"
+    return "bfloat16"
 
 
 def model_path(args) -> str:

@@ -689,10 +689,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def openmp_waits_passively(env=os.environ) -> None:
+    """OpenMP threads that sleep while they wait (OMP_WAIT_POLICY=PASSIVE), unless the user set the policy
+    or GNU OpenMP's spin count (GOMP_SPINCOUNT=300000 is its default). Its default spins first, and a
+    spinning thread whose core another process takes holds every parallel operator at its barrier
+    (benchmarks/RESULTS.md: 5-19x slower with one busy process on 2 cores). The OpenMP runtime reads
+    the variable once, when torch loads: so here, before any import of torch, and inherited by the
+    engine's and tensor-parallel ranks' processes."""
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def main(argv: list[str] | None = None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # reported by the subcommand's parser, with its usage (parse_args would show the top level's)
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    openmp_waits_passively()
     return args.func(args)
 
 

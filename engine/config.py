@@ -10,6 +10,7 @@ CPU_KV_CACHE_GB = 1.0
 # Tokens per step by default. On CPU a step of many thousand tokens spills its activations out of
 # the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model).
 MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
+CPU_LINEARS = ("onednn", "mkl")
 SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/speculative.py)
 
 
@@ -76,7 +77,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # local HF directory or hub id; None: the built-in demo model
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's bf16/fp16 on CUDA
+    dtype: str = "auto"  # auto: bf16 on a CPU with native bf16 else float32 (loader.dtype_of); CUDA: the checkpoint's
     quantization: str | None = None  # "int8": linear weights in int8 (weight-only, CPU); None: in dtype
     device: str = "auto"
     block_size: int = 16
@@ -103,6 +104,7 @@ class EngineConfig:
     max_loras: int = 4  # adapters resident at once (a request for another waits for a free slot)
     max_lora_rank: int = 16  # the largest adapter rank accepted (slots are this wide)
     allow_lora_loading: bool = False  # adapters loaded/unloaded at run time (loading from a path is a privilege)
+    cpu_linear: str = "onednn"  # CPU linear layers: onednn (weights packed once) or mkl (torch's default GEMM)
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -110,6 +112,7 @@ class EngineConfig:
             _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("device", self.device, DEVICES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
         if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         _positive_int("max_num_seqs", self.max_num_seqs)

@@ -159,12 +159,20 @@ def device_of(name: str) -> torch.device:
     return torch.device(name)
 
 
-def dtype_of(name: str, hf_config, device: torch.device) -> torch.dtype:
-    """The configured dtype ("auto": float32 on CPU, else the checkpoint's bf16/fp16)."""
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles), as torch's own CPU probe
+    (cpuinfo) reports it; elsewhere oneDNN would emulate bf16, slower than float32."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def dtype_of(name: str, hf_config, device: torch.device, deterministic: bool = False) -> torch.dtype:
+    """The configured dtype. "auto": on CPU bfloat16 where the CPU has native bf16 (native_bf16),
+    else float32, and float32 in deterministic mode (the same output on every machine); on CUDA the
+    checkpoint's bf16/fp16."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32
+        return torch.bfloat16 if native_bf16() and not deterministic else torch.float32
     ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     ckpt = _DTYPES.get(str(ckpt).removeprefix("torch."), None) if ckpt is not None else None
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16

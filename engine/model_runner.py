@@ -41,7 +41,7 @@ class ModelRunner:
                  workers=None, structured=None):
         self.device = _place(config, rank)
         hf_config = load_hf_config(config.model)
-        self.dtype = dtype_of(config.dtype, hf_config, self.device)
+        self.dtype = dtype_of(config.dtype, hf_config, self.device, config.deterministic)
         self.vocab_size = hf_config.vocab_size
         self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group)
         self.checkpoint_path = config.model  # a local directory here (LoRA adapters are checked against it)
@@ -77,7 +77,7 @@ class ModelRunner:
             self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device, self.checkpoint_path)
         if config.deterministic:
             deterministic.prepare_model_(model, dtype, fused)
-        elif device.type == "cpu":
+        elif device.type == "cpu" and not (config.cpu_linear == "onednn" and deterministic.pack_linears_(model)):
             _column_major_linears(model)
         # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
         # conversions do not vectorise; torch's own kernels are faster there)

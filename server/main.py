@@ -100,12 +100,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["hermes", "llama3_json", "mistral"])
     opt("--reasoning-parser", "REASONING_PARSER", "return a reasoning model's <think>...</think> apart, as "
         "reasoning_content (default: when the chat template writes <think>)", choices=["deepseek_r1", "qwen3"])
-    opt("--dtype", "DTYPE", "weights/compute dtype (default: auto)", default="auto",
+    opt("--dtype", "DTYPE", "weights/compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16 or "
+        "AMX; float32 with --deterministic on), else float32; on CUDA the checkpoint's bf16/fp16 (default: auto)",
+        default="auto",
         choices=["auto", "float32", "bfloat16", "float16"])
     opt("--quantization", "QUANTIZATION", "int8: linear weights in int8 (weight-only, per-output-channel "
         "scales; CPU only: a quarter of float32's bytes to read each step); none: weights in --dtype "
         "(default: none)", default="none", choices=["none", *QUANTIZATIONS])
     opt("--device", "DEVICE", "cpu, cuda or auto (default: auto)", default="auto", choices=["auto", "cpu", "cuda"])
+    opt("--cpu-linear", "CPU_LINEAR", "CPU linear layers: onednn (weights packed once for oneDNN) or mkl "
+        "(torch's default GEMM) (default: onednn)", default="onednn", choices=["onednn", "mkl"])
     opt("--block-size", "BLOCK_SIZE", "tokens per KV cache block (default: 16)", type=int, default=16)
     opt("--num-kv-blocks", "NUM_KV_BLOCKS", "KV cache blocks (default: from the memory budget)", type=int)
     opt("--max-num-seqs", "MAX_NUM_SEQS", "most requests running at once (default: 256)", type=int, default=256)
@@ -320,6 +324,7 @@ def engine_config(args: argparse.Namespace):
         max_loras=getattr(args, "max_loras", 4),
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         allow_lora_loading=getattr(args, "allow_lora_loading", "off") == "on",
+        cpu_linear=getattr(args, "cpu_linear", "onednn"),
     )
 
 

@@ -16,8 +16,8 @@ TRANSPORTS = ["thread", "process"]
 
 
 def start(checkpoint, transport: str, **options) -> AsyncEngine:
-    eng = AsyncEngine(EngineConfig(model=checkpoint("llama"), num_kv_blocks=64, engine_process=transport == "process",
-                                   **options))
+    eng = AsyncEngine(EngineConfig(dtype="float32", model=checkpoint("llama"), num_kv_blocks=64,
+                                   engine_process=transport == "process", **options))
     eng.start()
     return eng
 
@@ -31,7 +31,7 @@ def engine(checkpoint, request):
 
 @pytest.fixture(scope="module")
 def offline(checkpoint):
-    return LLM(checkpoint("llama"), num_kv_blocks=64)
+    return LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=64)
 
 
 async def _collect(eng, prompt, params, **kw):
@@ -283,7 +283,8 @@ def test_a_model_that_cannot_load_raises_its_own_error(tmp_path, transport):
     (tmp_path / "tokenizer.json").write_text("{}")  # the files a checkpoint directory must hold, unread
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="architecture 'llama' is not supported"):
-        AsyncEngine(EngineConfig(model=str(tmp_path), num_kv_blocks=8, engine_process=transport == "process"))
+        AsyncEngine(EngineConfig(dtype="float32", model=str(tmp_path), num_kv_blocks=8,
+                engine_process=transport == "process"))
 
 
 def test_output_kinds_deltas_whole_and_folded_agree(engine):

@@ -132,3 +132,20 @@ def test_deterministic_benchmark(checkpoint):
     r = _run("deterministic.py", "--model", checkpoint("llama"), *args, "--repeats", "2", "--single-stream-tokens", "4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| offline workload, generated tokens/s |" in r.stdout and "| single stream, decode tokens/s |" in r.stdout
+
+
+def test_ab_runs_each_variant_in_its_own_process_with_its_environment(checkpoint):
+    # the two CPU linear kernels in float32, one with OpenMP's passive wait: both finish every request
+    args = [a for a in WORKLOAD if a != "--no-progress"]
+    r = _run("ab.py", "--model", checkpoint("llama"), *args, "--repeats", "1",
+             "--variant", 'mkl={"cpu_linear": "mkl"}',
+             "--variant", 'onednn={"cpu_linear": "onednn", "env": {"OMP_WAIT_POLICY": "PASSIVE"}}')
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert '| onednn | {"cpu_linear": "onednn", "dtype": "float32"' in r.stdout
+    assert '"env": {"OMP_WAIT_POLICY": "PASSIVE"}} | float32 | quiet |' in r.stdout
+    assert "First run's tokens identical to mkl's: 1 of 1 variant(s)." in r.stdout
+
+
+def test_ab_refuses_a_bad_variant_in_one_line():
+    r = _run("ab.py", "--variant", "x={", "--variant", "y={}", "--no-results")
+    assert r.returncode == 2 and "--variant must be NAME=JSON object, got 'x={'" in r.stderr

@@ -334,3 +334,25 @@ def test_structured_output_flags(capsys, srv, tmp_path):
     status, _, err = run(capsys, "generate", "x", "--regex", "(ab", "--target", srv.target)
     assert status == 1 and len(err.strip().splitlines()) == 1
     assert err.startswith("pagoda generate: INVALID_ARGUMENT: structured_output.regex is invalid: ")
+
+
+def test_openmp_waits_passively_unless_the_user_chose():
+    # the CLI sets it before torch loads (GNU OpenMP reads it once); the user's own setting stands
+    from pagoda.client.cli import openmp_waits_passively
+
+    for env, want in [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"), ({"GOMP_SPINCOUNT": "300000"}, None)]:
+        openmp_waits_passively(env)
+        assert env.get("OMP_WAIT_POLICY") == want
+
+
+def test_the_cli_sets_the_wait_policy_before_the_command_runs(monkeypatch):
+    import os
+
+    import pagoda.client.cli as cli
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.setenv(name, "x")  # so that the test's end restores the variable as it was
+        monkeypatch.delenv(name)
+    seen = []
+    monkeypatch.setattr(cli, "_serve", lambda args: seen.append(os.environ.get("OMP_WAIT_POLICY")) or 0)
+    assert main(["serve"]) == 0 and seen == ["PASSIVE"]

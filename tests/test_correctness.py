@@ -31,7 +31,7 @@ def _reference(path: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> l
 
 
 def _check(path, llm_options, expect_preemption=False):
-    llm = LLM(path, **llm_options)
+    llm = LLM(path, dtype="float32", **llm_options)
     prompts = _prompts(llm.engine.hf_config.vocab_size)
     expected = _reference(path, prompts)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
@@ -70,6 +70,20 @@ def test_greedy_matches_transformers(checkpoint, family, backend):
     assert _uses_cpu_ops(llm) == (backend == "auto")
 
 
+@pytest.mark.parametrize("cpu_linear", ["onednn", "mkl"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_greedy_matches_transformers_with_either_cpu_linear_kernel(checkpoint, family, cpu_linear):
+    from pagoda.engine.layers.deterministic import PackedLinear
+    from pagoda.engine.parallel import Linear
+
+    llm = _check(checkpoint(family), dict(num_kv_blocks=128, cpu_linear=cpu_linear, device="cpu"))
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    packed = [isinstance(m.batch_invariant, PackedLinear) for m in linears]
+    assert all(packed) if cpu_linear == "onednn" else not any(packed)
+    embedding = next(m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Embedding))
+    assert embedding.weight is not None  # a tied head's packed copy leaves the lookups their rows
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_greedy_matches_with_preemption_and_chunked_prefill(checkpoint, family, backend):
@@ -88,8 +102,9 @@ def test_sharded_checkpoint_loads(tmp_path):
     model.save_pretrained(sharded, max_shard_size="40KB")
     transformers.AutoTokenizer.from_pretrained(path).save_pretrained(sharded)
     assert len(list(sharded.glob("*.safetensors"))) > 1
-    a = LLM(path, num_kv_blocks=32).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
-    b = LLM(str(sharded), num_kv_blocks=32).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+    a = LLM(path, dtype="float32", num_kv_blocks=32).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8))
+    b = LLM(str(sharded), dtype="float32", num_kv_blocks=32).generate([[1, 2, 3]], SamplingParams(temperature=0,
+            max_tokens=8))
     assert a[0].token_ids == b[0].token_ids
 
 
@@ -98,7 +113,8 @@ def test_greedy_matches_transformers_with_triton_attention(checkpoint, family):
     """The Triton kernels (interpreted on CPU) behind the same model: same tokens as transformers,
     through prefill, chunked prefill with a cached context, and decode."""
     path = checkpoint(family)
-    llm = LLM(path, num_kv_blocks=32, attention_backend="triton", max_num_batched_tokens=24, max_model_len=128)
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, attention_backend="triton", max_num_batched_tokens=24,
+            max_model_len=128)
     assert llm.engine.runner.model is not None and all(
         m.backend.__name__.endswith("triton_attention") for m in llm.engine.model.modules()
         if type(m).__name__ == "Attention")
@@ -114,7 +130,7 @@ def test_greedy_matches_with_many_sequences_of_mixed_lengths(checkpoint, backend
     path = checkpoint("llama")
     rng = random.Random(3)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(1, 90))] for _ in range(24)]
-    llm = LLM(path, num_kv_blocks=256, attention_backend=backend)
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, attention_backend=backend)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == _reference(path, prompts)
 
@@ -125,7 +141,7 @@ def test_padded_decode_path_of_cuda_graphs(checkpoint):
     from pagoda.engine.cuda_graphs import DecodeGraphs
 
     path = checkpoint("qwen3")
-    llm = LLM(path, num_kv_blocks=64, max_model_len=256)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256)
     runner = llm.engine.runner
     runner.decode_graphs = DecodeGraphs(runner.model, 16, 256 // 16, 16, runner.device)  # buckets 1,2,4,8,16
     calls = []

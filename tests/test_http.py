@@ -54,7 +54,7 @@ def test_greedy_completion_equals_grpc_and_transformers_decode(oai, model, grpc_
                                  extra_body={"ignore_eos": True, "return_token_ids": True})
     grpc = grpc_client.generate("Hello world", max_tokens=12, temperature=0, ignore_eos=True)
     assert out.choices[0].model_extra["token_ids"] == list(grpc.token_ids)  # token-identical too
-    offline = LLM(tiny_checkpoint(), num_kv_blocks=64).generate("Hello world", SamplingParams(
+    offline = LLM(tiny_checkpoint(), dtype="float32", num_kv_blocks=64).generate("Hello world", SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True))[0]
     assert out.choices[0].text == grpc.text == offline.text
     assert out.choices[0].finish_reason == "length"

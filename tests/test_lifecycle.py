@@ -128,8 +128,9 @@ def test_a_backend_that_cannot_run_the_model_is_refused_at_load(tmp_path):
     path = build_tiny_checkpoint(str(tmp_path / "m"), "llama", hidden_size=32, num_attention_heads=4,
                                  num_key_value_heads=2, initializer_range=0.3)  # head_dim 8
     with pytest.raises(ValueError, match=r"attention_backend 'triton'.*head_dim must be in \[16, 256\], got 8"):
-        LLM(path, attention_backend="triton", num_kv_blocks=16)
-    out = LLM(path, num_kv_blocks=16).generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))[0]
+        LLM(path, dtype="float32", attention_backend="triton", num_kv_blocks=16)
+    out = LLM(path, dtype="float32", num_kv_blocks=16).generate([[1, 2, 3]], SamplingParams(temperature=0,
+            max_tokens=4))[0]
     assert len(out.token_ids) == 4
 
 

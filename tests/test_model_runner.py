@@ -9,7 +9,8 @@ from pagoda.engine.sequence import BlockTable, Sequence
 
 @pytest.fixture(scope="module")
 def runner(checkpoint):
-    return LLM(checkpoint("llama"), num_kv_blocks=16, block_size=4, attention_backend="torch").engine.runner
+    return LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=16, block_size=4,
+            attention_backend="torch").engine.runner
 
 
 def _seq(name: str, num_tokens: int, num_computed: int, blocks: list[int]) -> Sequence:

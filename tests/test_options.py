@@ -13,7 +13,7 @@ from pagoda.engine.errors import InvalidRequestError
                                           ("dtype", "float64"), ("attention_backend", "cuda"),
                                           ("gpu_memory_utilization", 1.5), ("max_model_len", 0),
                                           ("enforce_eager", "yes"), ("enable_prefix_caching", 1),
-                                          ("cpu_threads", 0), ("cpu_threads", 1.5)])
+                                          ("cpu_threads", 0), ("cpu_threads", 1.5), ("cpu_linear", "blas")])
 def test_bad_engine_option_names_it(option, value):
     with pytest.raises(ValueError, match=option):
         EngineConfig(**{option: value})

@@ -10,7 +10,7 @@ TAILS = [[7], [8, 9, 10], [11] * 20, [12, 13], [14] * 9]
 
 
 def _run(path, caching: bool):
-    llm = LLM(path, num_kv_blocks=64, enable_prefix_caching=caching)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, enable_prefix_caching=caching)
     params = SamplingParams(temperature=0, max_tokens=10)
     first = llm.generate([PREFIX + TAILS[0]], params)
     rest = llm.generate([PREFIX + t for t in TAILS[1:]], params)
@@ -34,7 +34,7 @@ def test_caching_on_off_and_transformers_agree(checkpoint):
 def test_preempted_sequences_recompute_from_cache(checkpoint):
     path = checkpoint("llama")
     prompts = [PREFIX + t for t in TAILS]
-    llm = LLM(path, num_kv_blocks=12, max_num_batched_tokens=32, max_model_len=128)
+    llm = LLM(path, dtype="float32", num_kv_blocks=12, max_num_batched_tokens=32, max_model_len=128)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     assert [o.token_ids for o in outs] == _reference(path, prompts)
     s = llm.engine.stats()
@@ -42,7 +42,7 @@ def test_preempted_sequences_recompute_from_cache(checkpoint):
 
 
 def test_n_completions_share_prompt_blocks(checkpoint):
-    llm = LLM(checkpoint("llama"), num_kv_blocks=64)
+    llm = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=64)
     prompt = PREFIX + [5]  # 41 tokens: 2 full blocks shareable
     params = SamplingParams(n=4, temperature=1.0, seed=42, max_tokens=8, ignore_eos=True)
     out = llm.generate([prompt], params)[0]
@@ -60,6 +60,6 @@ def test_n_completions_share_prompt_blocks(checkpoint):
 
 
 def test_n_greedy_choices_identical(checkpoint):
-    llm = LLM(checkpoint("gpt2"), num_kv_blocks=64)
+    llm = LLM(checkpoint("gpt2"), dtype="float32", num_kv_blocks=64)
     out = llm.generate([[1, 2, 3]], SamplingParams(n=3, temperature=0, max_tokens=6))[0]
     assert out.choices[0].token_ids == out.choices[1].token_ids == out.choices[2].token_ids

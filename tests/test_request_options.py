@@ -65,7 +65,7 @@ def check_prompt_logprobs(got, ids, lp, k):
 @pytest.mark.parametrize("options", [dict(), dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=16)],
                          ids=["whole", "chunked-and-preempted"])
 def test_offline_prompt_logprobs_match_transformers(reference, options):
-    llm = LLM(tiny_checkpoint(), **options)
+    llm = LLM(tiny_checkpoint(), dtype="float32", **options)
     prompts = [PROMPT, PROMPT[:21], [7]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=3, n=2)
     outs = llm.generate(prompts, params)
@@ -85,7 +85,7 @@ def test_offline_prompt_logprobs_match_transformers(reference, options):
 
 
 def test_prompt_logprobs_are_computed_even_when_the_prefix_is_cached(reference):
-    llm = LLM(tiny_checkpoint(), block_size=4)
+    llm = LLM(tiny_checkpoint(), dtype="float32", block_size=4)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2))
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
     assert out.num_cached_tokens == 0
@@ -198,7 +198,7 @@ def any_model(request, tmp_path_factory):
 
 
 def test_bad_words_are_never_generated(any_model):
-    llm = LLM(any_model, num_kv_blocks=64)
+    llm = LLM(any_model, dtype="float32", num_kv_blocks=64)
     tok = llm.tokenizer
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["The quick brown", "Über Öl", "寿司", "fox jumps", "Привет", "naïve"]
@@ -331,7 +331,7 @@ def test_a_refused_prompt_ends_the_whole_call_and_frees_the_others():
 def test_max_tokens_0_scores_the_prompt_and_generates_nothing():
     """max_tokens 0 runs the prompt (in chunks here) and samples nothing: prompt logprobs as with
     max_tokens 1, no token, finish reason length, every block free; offline and over gRPC."""
-    llm = LLM(tiny_checkpoint(), num_kv_blocks=64, max_num_batched_tokens=16, block_size=4)
+    llm = LLM(tiny_checkpoint(), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, block_size=4)
     scored, one = llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=0, prompt_logprobs=1),
                                                   SamplingParams(max_tokens=1, prompt_logprobs=1)])
     assert scored.token_ids == [] and scored.text == "" and scored.finish_reason == "length"

@@ -101,7 +101,7 @@ def test_seeded_row_independent_of_batch():
 
 
 def test_penalties_and_min_tokens_end_to_end(checkpoint):
-    llm = LLM(checkpoint("llama"), num_kv_blocks=64)
+    llm = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=64)
     prompt = [5, 6, 7, 8, 9]
     greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
     assert len(set(greedy.token_ids)) < len(greedy.token_ids), "want repeats to penalise"
@@ -122,7 +122,7 @@ def test_penalties_and_min_tokens_end_to_end(checkpoint):
 
 
 def test_seed_reproducible_across_batches(checkpoint):
-    llm = LLM(checkpoint("llama"), num_kv_blocks=128)
+    llm = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=128)
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate([[1, 2, 3]], p)[0].token_ids
     others = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)] * 5
@@ -133,7 +133,7 @@ def test_seed_reproducible_across_batches(checkpoint):
 
 
 def test_logprobs(checkpoint):
-    llm = LLM(checkpoint("llama"), num_kv_blocks=64)
+    llm = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=64)
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, logprobs=True, top_logprobs=3,
                                                    ignore_eos=True))[0]
     assert len(out.logprobs) == 4

@@ -71,7 +71,7 @@ class KnowingProposer:
 
 
 def _generate(path, prompts, params, spec=NGRAM, proposer=None, **options):
-    llm = LLM(path, speculative_config=spec, **options)
+    llm = LLM(path, speculative_config=spec, **{"dtype": "float32", **options})
     if proposer is not None:
         llm.engine.speculator.proposer = proposer
     outs = llm.generate(prompts, params)
@@ -99,7 +99,7 @@ def test_greedy_matches_transformers_and_no_speculation(checkpoint, family):
     _accepted_and_rejected(llm)
     # a mixed batch: penalties keep one sequence from speculating; the others do
     mixed = [greedy] * (len(prompts) - 1) + [SamplingParams(temperature=0, max_tokens=40, frequency_penalty=0.5)]
-    plain = LLM(path, num_kv_blocks=128).generate(prompts, mixed)
+    plain = LLM(path, dtype="float32", num_kv_blocks=128).generate(prompts, mixed)
     llm, outs = _generate(path, prompts, mixed, proposer=KnowingProposer(prompts, expected), num_kv_blocks=128)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert [o.token_ids for o in outs[:-1]] == expected[:-1]
@@ -148,7 +148,7 @@ def test_greedy_with_tensor_parallelism(checkpoint):
     # two ranks (gloo): the verification's logits rows are the same collective calls on both
     path, prompts = checkpoint("qwen2"), _prompts(256)[:3]
     expected = _reference(path, prompts, max_new=16)
-    llm = LLM(path, num_kv_blocks=64, tensor_parallel_size=2, speculative_config=NGRAM)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, tensor_parallel_size=2, speculative_config=NGRAM)
     try:
         llm.engine.speculator.proposer = KnowingProposer(prompts, expected)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
@@ -170,7 +170,7 @@ def text_model(request, tmp_path_factory):
 def test_stop_strings_logprobs_and_n_see_only_accepted_tokens(text_model):
     prompts = ["Über Öl und Größe, 寿司 🎉 " * 4, "The quick brown fox. " * 5]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=True, top_logprobs=2, n=2)
-    plain = LLM(text_model, num_kv_blocks=64).generate(prompts, params)
+    plain = LLM(text_model, dtype="float32", num_kv_blocks=64).generate(prompts, params)
     # a stop string from the middle of each expected text, and one that never occurs
     stops = [o.text[len(o.text) // 2:len(o.text) // 2 + 3] for o in plain]
     assert all(stops)
@@ -178,7 +178,7 @@ def test_stop_strings_logprobs_and_n_see_only_accepted_tokens(text_model):
     for prompt, stop in zip(prompts, stops):
         p = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=True, top_logprobs=2, n=2,
                            stop=[stop, "never seen"])
-        want = LLM(text_model, num_kv_blocks=64).generate([prompt], p)[0]
+        want = LLM(text_model, dtype="float32", num_kv_blocks=64).generate([prompt], p)[0]
         llm, (got,) = _generate(text_model, [prompt], p, proposer=knowing, num_kv_blocks=64)
         assert got.finish_reason == want.finish_reason == "stop" and got.stop_reason == "stop_string"
         _accepted_and_rejected(llm)
@@ -248,7 +248,7 @@ def test_first_tokens_distribution_unchanged_by_speculation(sampling_model):
     prompt = list(range(5, 45))
     greedy = _reference(path, [prompt], max_new=4)
     params = SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True)
-    plain = LLM(path, **options).generate([prompt] * n, params)
+    plain = LLM(path, dtype="float32", **options).generate([prompt] * n, params)
     llm, spec = _generate(path, [prompt] * n, params, spec={**NGRAM, "disable_by_batch_size": 256},
                           proposer=KnowingProposer([prompt], greedy), **options)
     _accepted_and_rejected(llm)
@@ -264,7 +264,7 @@ def test_seeded_request_reproducible_with_speculation(sampling_model):
     # alone or beside others
     prompt = _prompts(256)[0]
     params = SamplingParams(temperature=0.8, top_k=4, max_tokens=40, seed=11, ignore_eos=True, n=2)
-    plain = LLM(sampling_model, num_kv_blocks=64).generate([prompt], params)[0]
+    plain = LLM(sampling_model, dtype="float32", num_kv_blocks=64).generate([prompt], params)[0]
     expected = [c.token_ids for c in plain.outputs]
     assert expected[0] != expected[1]  # n > 1: each completion its own stream
     first = _generate(sampling_model, [prompt], params, proposer=KnowingProposer([prompt], [expected[0]]),
@@ -343,7 +343,7 @@ def test_doors_report_the_config_and_the_counts():
                                      ServerOptions(http_port=0)).wait_ready()
     try:
         prompt = "abc abd abe abc abd abe abc abd " * 3
-        want = LLM(tiny_checkpoint(), num_kv_blocks=64).generate(prompt, SamplingParams(
+        want = LLM(tiny_checkpoint(), dtype="float32", num_kv_blocks=64).generate(prompt, SamplingParams(
             temperature=0, max_tokens=24, ignore_eos=True))[0]
         with Client(srv.target, timeout=60) as c:
             info = c.model_info()
@@ -430,7 +430,7 @@ def test_structured_requests_do_not_speculate_beside_those_that_do(checkpoint):
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [
         SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(regex="[a-z]{3,20}"))]
     prompts = prompts[:4]
-    plain = LLM(path, num_kv_blocks=128).generate(prompts, params)
+    plain = LLM(path, dtype="float32", num_kv_blocks=128).generate(prompts, params)
     expected = [o.token_ids for o in plain]
     llm, outs = _generate(path, prompts, params, proposer=KnowingProposer(prompts, expected), num_kv_blocks=128)
     assert [o.token_ids for o in outs] == expected
@@ -499,7 +499,7 @@ def test_greedy_with_a_draft_matches_transformers_and_no_speculation(checkpoint,
     path, prompts = checkpoint(family), _prompts(256)
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     expected = _reference(path, prompts, max_new=30)
-    assert [o.token_ids for o in LLM(path, num_kv_blocks=128).generate(prompts, greedy)] == expected
+    assert [o.token_ids for o in LLM(path, dtype="float32", num_kv_blocks=128).generate(prompts, greedy)] == expected
     llm, outs = _generate(path, prompts, greedy, spec=_draft_spec(draft(family)), num_kv_blocks=128)
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.draft_runner.model is not llm.engine.model
@@ -509,7 +509,7 @@ def test_greedy_with_a_draft_matches_transformers_and_no_speculation(checkpoint,
     _all_accepted(llm)
     # a mixed batch: penalties keep one sequence from speculating (the draft does not run over its tokens)
     mixed = [greedy] * (len(prompts) - 1) + [SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.5)]
-    plain = LLM(path, num_kv_blocks=128).generate(prompts, mixed)
+    plain = LLM(path, dtype="float32", num_kv_blocks=128).generate(prompts, mixed)
     llm, outs = _generate(path, prompts, mixed, spec=_draft_spec(path), num_kv_blocks=128)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     _all_accepted(llm)
@@ -546,7 +546,8 @@ def test_draft_with_steps_alternating_between_speculating_and_not(checkpoint, dr
     expected = _reference(path, prompts, max_new=40)
     lengths, prompt_of = [40, 36, 8, 10, 12, 20], [0, 1, 2, 3, 4, 2]
     for d in (draft("llama"), path):
-        llm = LLM(path, num_kv_blocks=128, block_size=16, speculative_config=_draft_spec(d, disable_by_batch_size=2))
+        llm = LLM(path, dtype="float32", num_kv_blocks=128, block_size=16, speculative_config=_draft_spec(d,
+                disable_by_batch_size=2))
         engine, spec, steps, done = llm.engine, llm.engine.speculator, [], {}
         propose = spec.propose
 
@@ -582,7 +583,7 @@ def test_draft_with_steps_alternating_between_speculating_and_not(checkpoint, dr
 def test_seeded_request_reproducible_with_a_draft(sampling_model, draft):
     prompt = _prompts(256)[0]
     params = SamplingParams(temperature=0.8, top_k=4, max_tokens=30, seed=11, ignore_eos=True, n=2)
-    plain = LLM(sampling_model, num_kv_blocks=64).generate([prompt], params)[0]
+    plain = LLM(sampling_model, dtype="float32", num_kv_blocks=64).generate([prompt], params)[0]
     expected = [c.token_ids for c in plain.outputs]
     for d in (sampling_model, draft("llama")):  # the target's argmax (sampled rows reject some), another model's
         llm, outs = _generate(sampling_model, [prompt, _prompts(256)[1]], params, spec=_draft_spec(d),
@@ -597,5 +598,5 @@ def test_bad_draft_refused_at_start_in_one_line(checkpoint, tmp_path):
     for d, message in ((other, "has another tokenizer than the target's"),
                        (str(tmp_path / "missing"), "draft model .* no such directory")):
         with pytest.raises(ValueError, match=message) as e:
-            LLM(checkpoint("llama"), num_kv_blocks=16, speculative_config=_draft_spec(d))
+            LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=16, speculative_config=_draft_spec(d))
         assert str(e.value).startswith("speculative_config: ") and "\n" not in str(e.value)

@@ -61,7 +61,7 @@ def model(request, tmp_path_factory):
 def test_every_constrained_output_matches_its_constraint(model):
     """Per tokenizer: 20 constraints x (greedy + 3 seeds x n=2) = 140 constrained completions, in one
     batch with free ones."""
-    llm = LLM(model, num_kv_blocks=512, max_num_seqs=256)
+    llm = LLM(model, dtype="float32", num_kv_blocks=512, max_num_seqs=256)
     prompts, params, kinds = [], [], []
     rnd = random.Random(0)
     for so in constraints():
@@ -91,7 +91,7 @@ def test_every_constrained_output_matches_its_constraint(model):
 
 
 def test_the_constraint_decides_where_the_completion_ends(checkpoint):
-    llm = LLM(checkpoint("llama"), num_kv_blocks=64)
+    llm = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=64)
     out = llm.generate("x", SamplingParams(temperature=0, max_tokens=50, structured_outputs=StructuredOutputs(
         regex=r"[0-9]{3}")))[0]
     assert re.fullmatch(r"[0-9]{3}", out.text) and out.finish_reason == "stop"
@@ -118,14 +118,14 @@ def _greedy(llm, so_list, extra=(), repeat=1):
 
 def test_greedy_constrained_output_is_the_same_whatever_else_runs(checkpoint):
     sos = [StructuredOutputs(json=SCHEMAS[i]) for i in (0, 1, 3, 6)] + [StructuredOutputs(regex=REGEXES[0])]
-    base = _greedy(LLM(checkpoint("llama"), num_kv_blocks=256), sos)
+    base = _greedy(LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=256), sos)
     others = [("Hello", SamplingParams(temperature=1.0, seed=i, max_tokens=30,
                                        structured_outputs=StructuredOutputs(json_object=True) if i % 2 else None))
               for i in range(8)]
-    assert _greedy(LLM(checkpoint("llama"), num_kv_blocks=256), sos, others) == base
-    no_cache = LLM(checkpoint("llama"), num_kv_blocks=256, enable_prefix_caching=False)
+    assert _greedy(LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=256), sos, others) == base
+    no_cache = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
     assert _greedy(no_cache, sos, repeat=2) == base + base
-    tight = LLM(checkpoint("llama"), num_kv_blocks=14, block_size=4, max_num_batched_tokens=16)
+    tight = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=16)
     assert _greedy(tight, sos, others) == base
     assert tight.engine.scheduler.num_preemptions > 0
 
@@ -133,12 +133,13 @@ def test_greedy_constrained_output_is_the_same_whatever_else_runs(checkpoint):
 def test_both_transports_and_the_triton_backend(checkpoint):
     so = StructuredOutputs(json=SCHEMAS[0])
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
-    want = LLM(checkpoint("llama"), num_kv_blocks=64).generate("Hello", params)[0].token_ids
-    triton = LLM(checkpoint("llama"), num_kv_blocks=64, attention_backend="triton")
+    want = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=64).generate("Hello", params)[0].token_ids
+    triton = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=64, attention_backend="triton")
     assert triton.generate("Hello", params)[0].token_ids == want
 
     async def run(process: bool):
-        engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), num_kv_blocks=64, engine_process=process))
+        engine = AsyncEngine(EngineConfig(dtype="float32", model=checkpoint("llama"), num_kv_blocks=64,
+                engine_process=process))
         engine.start()
         try:
             ids = []
@@ -159,7 +160,7 @@ def test_bad_constraints_name_the_option():
         with pytest.raises(InvalidRequestError) as e:
             StructuredOutputs(**kw)
         assert e.value.field == field
-    llm = LLM(tiny_checkpoint(), num_kv_blocks=32)
+    llm = LLM(tiny_checkpoint(), dtype="float32", num_kv_blocks=32)
     for so, field, words in [(StructuredOutputs(json="{nope"), "structured_outputs.json", "not valid JSON"),
                              (StructuredOutputs(json={"type": "foo"}), "structured_outputs.json", "invalid"),
                              (StructuredOutputs(regex="(ab"), "structured_outputs.regex", "invalid"),

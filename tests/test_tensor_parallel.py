@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def _greedy(path, **options):
-    llm = LLM(path, **options)
+    llm = LLM(path, dtype="float32", **options)
     try:
         outs = llm.generate(PROMPTS, GREEDY)
         return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
@@ -164,7 +164,7 @@ def test_prompt_logprobs_and_structured_outputs_with_two_ranks(checkpoint):
     prompts = [[3 + i % 250 for i in range(297)], "Hello"]  # 297 prompt tokens: scored in two chunks
     results = []
     for tp in (1, 2):
-        llm = LLM(checkpoint("llama"), num_kv_blocks=64, tensor_parallel_size=tp)
+        llm = LLM(checkpoint("llama"), dtype="float32", num_kv_blocks=64, tensor_parallel_size=tp)
         try:
             results.append(llm.generate(prompts, params))
         finally:

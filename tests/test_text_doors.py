@@ -45,7 +45,7 @@ def token_bytes(tok, ids: list[int]) -> bytes:
 
 def test_every_door_gives_the_text_the_bytes_spell(model):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    llm = LLM(model, num_kv_blocks=64)
+    llm = LLM(model, dtype="float32", num_kv_blocks=64)
     tok = llm.tokenizer
     offline = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, offline):
@@ -58,7 +58,8 @@ def test_every_door_gives_the_text_the_bytes_spell(model):
     assert any(ord(c) > 127 for o in offline for c in o.text)
 
     for transport in ("thread", "process"):
-        eng = AsyncEngine(EngineConfig(model=model, num_kv_blocks=64, engine_process=transport == "process"))
+        eng = AsyncEngine(EngineConfig(dtype="float32", model=model, num_kv_blocks=64,
+                engine_process=transport == "process"))
         eng.start()
         try:
             streams = asyncio.run(_streams(eng, params))
@@ -67,7 +68,7 @@ def test_every_door_gives_the_text_the_bytes_spell(model):
         for deltas, want in zip(streams, offline):
             assert "".join(deltas) == want.text, transport
 
-    srv = InProcessServer.for_config(EngineConfig(model=model, num_kv_blocks=64)).wait_ready()
+    srv = InProcessServer.for_config(EngineConfig(dtype="float32", model=model, num_kv_blocks=64)).wait_ready()
     try:
         with Client(srv.target, timeout=60) as c:
             for prompt, want in zip(PROMPTS, offline):

@@ -101,13 +101,13 @@ def model():
 @pytest.fixture(scope="module")
 def reference(model):
     """The greedy completion the limited ones must be a prefix of."""
-    llm = LLM(model, num_kv_blocks=64)
+    llm = LLM(model, dtype="float32", num_kv_blocks=64)
     return llm.generate(["Time flies"], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True))[0]
 
 
 @pytest.fixture(scope="module")
 def srv(model):
-    s = InProcessServer.for_config(EngineConfig(model=model, num_kv_blocks=64),
+    s = InProcessServer.for_config(EngineConfig(dtype="float32", model=model, num_kv_blocks=64),
                                    ServerOptions(http_port=0)).wait_ready()
     yield s
     s.stop()
@@ -120,7 +120,7 @@ def _check_partial(text: str, token_ids: list[int], reference, engine) -> None:
 
 
 def test_offline_time_limit_ends_with_the_tokens_so_far(model, reference):
-    llm = LLM(model, num_kv_blocks=64)
+    llm = LLM(model, dtype="float32", num_kv_blocks=64)
     with slow_steps(types.SimpleNamespace(core=llm.engine), 0.02):
         out = llm.generate(["Time flies"], SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True,
                                                           time_limit_ms=200))[0]
@@ -196,7 +196,7 @@ def test_bad_time_limit_on_both_doors(srv):
 
 def test_a_request_whose_limit_passes_in_the_queue_ends_empty(model):
     """One seat: the second request's limit passes while the first holds it."""
-    eng = AsyncEngine(EngineConfig(model=model, num_kv_blocks=64, max_num_seqs=1))
+    eng = AsyncEngine(EngineConfig(dtype="float32", model=model, num_kv_blocks=64, max_num_seqs=1))
     eng.start()
 
     async def go():
@@ -219,7 +219,7 @@ def test_a_request_whose_limit_passes_in_the_queue_ends_empty(model):
 
 def test_time_limit_across_the_process_boundary(model):
     """The core in a child process compares the deadline with its own clock (time.monotonic is system-wide)."""
-    eng = AsyncEngine(EngineConfig(model=model, num_kv_blocks=64, engine_process=True))
+    eng = AsyncEngine(EngineConfig(dtype="float32", model=model, num_kv_blocks=64, engine_process=True))
     eng.start()
     try:
         outs = asyncio.run(_collect(eng, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True,
@@ -239,7 +239,8 @@ async def _collect(eng, params, prompt="Time flies"):
 
 @pytest.fixture(scope="module")
 def flood_srv(model):
-    s = InProcessServer.for_config(EngineConfig(model=model, num_kv_blocks=64, max_num_seqs=1, max_queue_wait_s=0.5),
+    s = InProcessServer.for_config(EngineConfig(dtype="float32", model=model, num_kv_blocks=64, max_num_seqs=1,
+            max_queue_wait_s=0.5),
                                    ServerOptions(http_port=0)).wait_ready()
     yield s
     s.stop()

@@ -48,7 +48,7 @@ def traced():
     provider = TracerProvider()
     provider.add_span_processor(opened)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    srv = InProcessServer.for_config(EngineConfig(model=tiny_checkpoint(), num_kv_blocks=64),
+    srv = InProcessServer.for_config(EngineConfig(dtype="float32", model=tiny_checkpoint(), num_kv_blocks=64),
                                      ServerOptions(http_port=0)).wait_ready()
     assert srv.server.state.tracing is None  # no OTEL_* set: off
     srv.server.state.tracing = Tracing(provider)
@@ -259,7 +259,7 @@ def test_otlp_http_exporter_from_the_environment(monkeypatch):
     with receiver() as r:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{r.server_port}")
         monkeypatch.setenv("OTEL_SERVICE_NAME", "pagoda-test")
-        srv = InProcessServer.for_config(EngineConfig(model=tiny_checkpoint(), num_kv_blocks=64),
+        srv = InProcessServer.for_config(EngineConfig(dtype="float32", model=tiny_checkpoint(), num_kv_blocks=64),
                                          ServerOptions(http_port=0)).wait_ready()
         ids = caller()
         try:

@@ -5,12 +5,14 @@ for up to DEQUANT_MIN_ROWS - 1 rows (decode steps); more rows (prefill chunks) m
 chunks of the weight instead. Activations go through the kernel in bfloat16 (its float32 path is
 ~10x slower); the layer's output comes back in the model's dtype. Embeddings, norms and the KV
 cache stay in the model's dtype; a tied LM head gets its own int8 copy (the embedding keeps its rows
-for the lookups). Float32 stays the default: it is the path tested token for token against
+for the lookups). Unquantized stays the default: float32 is the path tested token for token against
 transformers; benchmarks/quantization.py measures what int8 costs in accuracy."""
 import logging
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.engine.loader import native_bf16
 
 log = logging.getLogger("pagoda.engine")
 
@@ -70,7 +72,7 @@ def quantize_model_(model: torch.nn.Module, quantization: str | None) -> int:
         return 0
     # many rows: dequantize to bfloat16 where the CPU computes in it natively (AVX512-BF16, AMX), else
     # to float32 (bf16 GEMMs are emulated there, 2x slower than float32)
-    gemm_dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    gemm_dtype = torch.bfloat16 if native_bf16() else torch.float32
     count = skipped = 0
     for m in model.modules():
         if isinstance(m, Linear) and can_quantize(m):

