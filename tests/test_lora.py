@@ -95,7 +95,7 @@ def _assert_clean(llm):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
 def test_each_adapter_alone_and_mixed_match_peft(adapters, family):
     base, paths = adapters(family)
-    llm = LLM(base, num_kv_blocks=64, lora_modules=paths, max_loras=4)
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=paths, max_loras=4)
     prompts = _prompts(llm.engine.hf_config.vocab_size)
     expected = {name: reference(base, path, prompts) for name, path in paths.items()}
     expected[None] = reference(base, None, prompts)
@@ -117,7 +117,7 @@ def test_mixed_batch_with_chunked_prefill_preemption_and_prefix_caching(adapters
     base, paths = adapters("llama")
     # few blocks force preemption, a small budget chunks the long prompts, two slots make
     # requests wait for a free one
-    llm = LLM(base, lora_modules=paths, max_loras=2, num_kv_blocks=16, block_size=16, max_num_batched_tokens=24,
+    llm = LLM(base, dtype="float32", lora_modules=paths, max_loras=2, num_kv_blocks=16, block_size=16, max_num_batched_tokens=24,
               max_model_len=128, enable_prefix_caching=True)
     prompts = _prompts(llm.engine.hf_config.vocab_size, seed=1)
     names = [None, "one", "two", "three"]
@@ -132,7 +132,7 @@ def test_mixed_batch_with_chunked_prefill_preemption_and_prefix_caching(adapters
 
 def test_same_prompt_under_two_adapters_shares_no_blocks(adapters):
     base, paths = adapters("llama")
-    llm = LLM(base, num_kv_blocks=64, lora_modules=paths, enable_prefix_caching=True)
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=paths, enable_prefix_caching=True)
     prompt = _prompts(llm.engine.hf_config.vocab_size, seed=2)[5]  # 70 tokens: 4 full blocks
     llm.generate([prompt], _greedy(), adapter="one")
     cached = llm.engine.stats().num_cached_prompt_tokens
@@ -147,7 +147,7 @@ def test_same_prompt_under_two_adapters_shares_no_blocks(adapters):
 
 def test_no_adapter_step_runs_no_lora(adapters):
     base, paths = adapters("llama")
-    llm = LLM(base, num_kv_blocks=64, lora_modules=paths)
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=paths)
     prompts = _prompts(llm.engine.hf_config.vocab_size)
     got = [o.token_ids for o in llm.generate(prompts, _greedy())]
     exp = reference(base, None, prompts)
@@ -160,7 +160,7 @@ def test_int8_base_with_adapter_equals_adapter_on_dequantized_weights(adapters, 
     PEFT on a checkpoint holding pagoda's own dequantized int8 weights (run in float32 here, so the
     comparison is of logits, which must agree closely, and of greedy tokens)."""
     base, paths = adapters("llama")
-    llm = LLM(base, num_kv_blocks=64, lora_modules=paths, quantization="int8")
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=paths, quantization="int8")
     prompts = _prompts(llm.engine.hf_config.vocab_size)[:3]
     got = llm.generate(prompts, _greedy(), adapter="one")
     # the dequantized weights of every int8 layer, written back as a float checkpoint
@@ -204,7 +204,7 @@ def test_int8_base_with_adapter_equals_adapter_on_dequantized_weights(adapters, 
 
 def test_load_and_unload_offline(adapters):
     base, paths = adapters("qwen3")
-    llm = LLM(base, num_kv_blocks=64, allow_lora_loading=True, max_loras=1)
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, allow_lora_loading=True, max_loras=1)
     prompts = _prompts(llm.engine.hf_config.vocab_size)[:2]
     with pytest.raises(AdapterNotFoundError, match="'one'"):
         llm.generate(prompts, _greedy(), adapter="one")
@@ -256,14 +256,14 @@ def test_refusals_name_the_field(adapters, tmp_path):
     ]
     for options, path, message in cases:
         with pytest.raises(ValueError, match=message) as e:
-            LLM(base, num_kv_blocks=64, lora_modules={"bad": path}, **options)
+            LLM(base, dtype="float32", num_kv_blocks=64, lora_modules={"bad": path}, **options)
         assert "'bad'" in str(e.value) and "\n" not in str(e.value)
     for bad, message in [(["x"], "NAME=PATH"), (["a=p", "a=q"], "given twice"), ({"a b": "p"}, "without spaces"),
                          (5, "lora_modules must be")]:
         with pytest.raises(ValueError, match=message):
-            LLM(base, num_kv_blocks=64, lora_modules=bad)
+            LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=bad)
     with pytest.raises(ValueError, match="max_loras"):
-        LLM(base, num_kv_blocks=64, lora_modules=paths, max_loras=0)
+        LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=paths, max_loras=0)
 
 
 def test_lora_modules_forms(adapters):
@@ -278,7 +278,7 @@ def test_two_ranks_match_peft(adapters, family):
     """Tensor parallelism (gloo, 2 ranks): A/B sharded like their layers (column-parallel: B's rows;
     row-parallel: A's columns, each rank's partial update summed by the layer's all-reduce)."""
     base, paths = adapters(family)
-    llm = LLM(base, lora_modules=paths, max_loras=2, tensor_parallel_size=2, num_kv_blocks=64)
+    llm = LLM(base, dtype="float32", lora_modules=paths, max_loras=2, tensor_parallel_size=2, num_kv_blocks=64)
     try:
         prompts = _prompts(llm.engine.hf_config.vocab_size)[:4]
         names = [None, "one", "two", "three"]
@@ -294,7 +294,7 @@ def test_speculative_decoding_and_structured_outputs_with_adapters(adapters):
     """n-gram speculation verifies its proposals with the request's adapter applied to every query row:
     the output stays PEFT's. A structured output under an adapter keeps to its grammar."""
     base, paths = adapters("llama")
-    llm = LLM(base, num_kv_blocks=64, lora_modules=paths,
+    llm = LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=paths,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     rng = random.Random(7)
     motif = [rng.randrange(3, 200) for _ in range(6)]

@@ -27,7 +27,7 @@ def setup(checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-doors")
     paths = {"one": make_adapter(base, str(root / "one"), 11), "two": make_adapter(base, str(root / "two"), 12, r=4),
              "late": make_adapter(base, str(root / "late"), 13)}
-    config = EngineConfig(model=base, num_kv_blocks=64, lora_modules={"one": paths["one"], "two": paths["two"]},
+    config = EngineConfig(model=base, dtype="float32", num_kv_blocks=64, lora_modules={"one": paths["one"], "two": paths["two"]},
                           max_loras=2, allow_lora_loading=True)
     srv = InProcessServer.for_config(config, ServerOptions(http_port=0)).wait_ready()
     yield base, paths, srv
@@ -149,7 +149,7 @@ def test_load_and_unload_under_load_lose_no_request(setup, oai, client):
 
 
 def test_runtime_loading_is_off_by_default(checkpoint):
-    srv = InProcessServer.for_config(EngineConfig(model=checkpoint("llama"), num_kv_blocks=16),
+    srv = InProcessServer.for_config(EngineConfig(model=checkpoint("llama"), dtype="float32", num_kv_blocks=16),
                                      ServerOptions(http_port=0)).wait_ready()
     try:
         r = httpx.post(srv.http_url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"})
