@@ -452,7 +452,7 @@ def _print_json(msg, lines: bool = False) -> None:
 
 
 _ONLY_WHEN_SET = ("logprobs", "prompt_logprobs", "prompt_token_ids", "prompt_text", "results", "tool_calls",
-                  "reasoning_content")
+                  "tool_call_deltas", "reasoning_content")
 
 
 def _generation_json(msg) -> dict:
