@@ -77,7 +77,8 @@ class ModelRunner:
             self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device, self.checkpoint_path)
         if config.deterministic:
             deterministic.prepare_model_(model, dtype, fused)
-        elif device.type == "cpu" and not (config.cpu_linear == "onednn" and deterministic.pack_linears_(model)):
+        elif device.type == "cpu" and not (config.cpu_linear == "onednn" and deterministic.pack_linears_(
+                model, keep_weights=fused is not None and dtype == torch.float32)):
             _column_major_linears(model)
         # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
         # conversions do not vectorise; torch's own kernels are faster there)

@@ -116,8 +116,11 @@ def _mark(layer: nn.Module, dim: int, parts: dict) -> nn.Module:
 
 
 # rows up to which a float32 linear on CPU runs pagoda's op rather than torch's (MKL's sgemm costs a
-# weight read per row there: a single stream's verification of 4 proposals cost 4-5x one row's decode)
+# weight read per row there: a single stream's verification of 4 proposals cost 4-5x one row's decode),
+# and rather than oneDNN's packed weights (about 20 us a call, 1.6-3x the op's time at <= 8 rows;
+# oneDNN wins from 16 rows on a 0.5B model's layers: benchmarks/RESULTS.md, "few-row op or oneDNN")
 FEW_ROWS = 64
+FEW_ROWS_PACKED = 8
 
 
 class Linear(nn.Linear):
@@ -126,6 +129,7 @@ class Linear(nn.Linear):
     engine/layers/deterministic.py BatchInvariantLinear."""
     qweight = scales = None
     batch_invariant = None
+    packed = None  # engine/layers/deterministic.py PackedLinear: oneDNN over weights packed once (cpu_linear)
     lora = None  # engine/lora.py LoRASlots: adapters' per-row updates, added to the output (before a reduce)
     fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 on CPU): up to FEW_ROWS rows
 
@@ -134,8 +138,11 @@ class Linear(nn.Linear):
             y = self.batch_invariant(x)
         elif self.qweight is not None:
             y = int8_linear(x, self)
-        elif self.fused_ops is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS:
+        elif self.fused_ops is not None and x.dim() == 2 and x.shape[0] <= (
+                FEW_ROWS if self.packed is None else FEW_ROWS_PACKED):
             y = self.fused_ops.linear(x, self.weight, self.bias)
+        elif self.packed is not None:
+            y = self.packed(x)
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.forward(x, y)

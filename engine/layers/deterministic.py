@@ -180,10 +180,12 @@ def prepare_model_(model: torch.nn.Module, dtype: torch.dtype, fused_ops) -> Non
             m.reduce = parallel.all_reduce_in_rank_order
 
 
-def pack_linears_(model: torch.nn.Module) -> int:
-    """Every linear layer through a PackedLinear (outside deterministic mode; its float weight dropped unless
-    an embedding shares it). Layers oneDNN cannot pack (int8, float16, bf16 without AVX-512) keep torch's
-    GEMM. Returns how many were packed."""
+def pack_linears_(model: torch.nn.Module, keep_weights: bool = False) -> int:
+    """Every linear layer through a PackedLinear (outside deterministic mode). Its float weight is dropped
+    unless an embedding shares it or `keep_weights` (float32 with pagoda's few-row op, which runs calls of
+    up to parallel.FEW_ROWS_PACKED rows on the unpacked weight: twice the weights' memory, for 1.6-3x on
+    those calls). Layers oneDNN cannot pack (int8, float16, bf16 without AVX-512) keep torch's GEMM.
+    Returns how many were packed."""
     from pagoda.engine import parallel
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     count = 0
@@ -191,10 +193,14 @@ def pack_linears_(model: torch.nn.Module) -> int:
         if isinstance(m, parallel.Linear) and m.weight is not None and m.weight.dtype != torch.float16:
             try:
                 with torch.no_grad():
-                    m.batch_invariant = PackedLinear(m.weight, m.bias)
+                    m.packed = PackedLinear(m.weight, m.bias)
             except RuntimeError:
                 continue
-            if id(m.weight) not in embedded:
+            if id(m.weight) in embedded:
+                pass
+            elif keep_weights:  # stored transposed, the few-row op's fast layout
+                m.weight.data = m.weight.data.t().contiguous().t()
+            else:
                 m.weight = None
             count += 1
     return count
