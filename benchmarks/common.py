@@ -4,6 +4,7 @@ import datetime
 import os
 import platform
 import shlex
+import statistics
 import sys
 import tempfile
 
@@ -228,3 +229,40 @@ def finish_args(args):
     args.dtype = resolve_dtype(args.dtype, args.device)
     apply_threads(args.threads)
     return args
+
+
+# ---- pagoda against a peer engine (peer_llamacpp.py, peer_vllm.py) ----
+
+def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float:
+    """The share of requests whose first `prefix` tokens are the same on both sides."""
+    return sum(1 for x, y in zip(a, b) if x[:prefix] == y[:prefix]) / max(1, len(a))
+
+
+def bench_batch(sides: dict, runs, log) -> dict:
+    """Each workload run by every side in turn (alternating, so both see the same machine); `sides` maps a
+    name to a callable workload -> (seconds, outputs), pagoda's first. Medians, pagoda over the peer, and
+    the first run's agreement."""
+    rows = {name: [] for name in sides}
+    first = {}
+    for i, workload in enumerate(runs):
+        out_tokens = sum(n for _, n in workload)
+        for name, run in sides.items():
+            elapsed, outputs = run(workload)
+            rows[name].append({"elapsed_s": elapsed, "output_tok_s": out_tokens / elapsed})
+            log(f"{name} run {i + 1}/{len(runs)}: {elapsed:.2f} s, {out_tokens / elapsed:.1f} output tok/s")
+            first.setdefault(name, outputs)
+    res = {name: {"median_output_tok_s": statistics.median(r["output_tok_s"] for r in rs),
+                  "median_elapsed_s": statistics.median(r["elapsed_s"] for r in rs), "runs": rs}
+           for name, rs in rows.items()}
+    pagoda, peer = list(sides)
+    res["ratio"] = res[pagoda]["median_output_tok_s"] / res[peer]["median_output_tok_s"]
+    res["agreement_first16"] = agreement(first[pagoda], first[peer])
+    return res
+
+
+def batch_table(b: dict, names: tuple[str, str]) -> str:
+    """bench_batch's result as a markdown table, pagoda over the peer in its last row."""
+    rows = [[name, f"{b[name]['median_output_tok_s']:.1f}", f"{b[name]['median_elapsed_s']:.2f}",
+             " / ".join(f"{r['output_tok_s']:.1f}" for r in b[name]["runs"])] for name in names]
+    return markdown_table(["peer", "output tok/s (median)", "time s (median)", "every run, tok/s"],
+                          rows + [[" / ".join(names), f"{b['ratio']:.2f}", "", ""]])

@@ -349,10 +349,6 @@ def check(peer: str, outputs: list[list[int]], workload) -> None:
                            f"(request {i}: {got} tokens, asked for {want})")
 
 
-def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float:
-    return sum(1 for x, y in zip(a, b) if x[:prefix] == y[:prefix]) / max(1, len(a))
-
-
 # ---- main ----
 
 def parse_args(argv=None):
@@ -415,7 +411,7 @@ def main(argv=None) -> int:
             pagoda.run(warmup)
             llama.run(warmup)
             if args.mode in ("batch", "both"):
-                result["batch"] = bench_batch(pagoda, llama, runs)
+                result["batch"] = common.bench_batch({"pagoda": pagoda.run, "llama.cpp": llama.run}, runs, log)
             if args.mode in ("single", "both"):
                 result["single"] = bench_single(pagoda, llama, singles)
         finally:
@@ -434,25 +430,6 @@ def main(argv=None) -> int:
     if not args.no_results:
         common.append_results(args.results, "pagoda vs llama.cpp llama-server (benchmarks/peer_llamacpp.py)", text)
     return 0
-
-
-def bench_batch(pagoda: Pagoda, llama: LlamaCpp, runs) -> dict:
-    sides = {"pagoda": [], "llama.cpp": []}
-    first_outputs = {}
-    for i, workload in enumerate(runs):  # alternating, so both see the same machine
-        out_tokens = sum(n for _, n in workload)
-        for name, side in (("pagoda", pagoda), ("llama.cpp", llama)):
-            elapsed, outputs = side.run(workload)
-            sides[name].append({"elapsed_s": elapsed, "output_tok_s": out_tokens / elapsed})
-            log(f"{name} run {i + 1}/{len(runs)}: {elapsed:.2f} s, {out_tokens / elapsed:.1f} output tok/s")
-            if i == 0:
-                first_outputs[name] = outputs
-    res = {name: {"median_output_tok_s": statistics.median(r["output_tok_s"] for r in rs),
-                  "median_elapsed_s": statistics.median(r["elapsed_s"] for r in rs), "runs": rs}
-           for name, rs in sides.items()}
-    res["ratio"] = res["pagoda"]["median_output_tok_s"] / res["llama.cpp"]["median_output_tok_s"]
-    res["agreement_first16"] = agreement(first_outputs["pagoda"], first_outputs["llama.cpp"])
-    return res
 
 
 def bench_single(pagoda: Pagoda, llama: LlamaCpp, singles) -> dict:
@@ -488,11 +465,7 @@ def report(args, path, gguf, runs, result) -> str:
             f"Batch: {len(workload)} requests at once, prompts {args.input_len[0]}..{args.input_len[1]} tokens "
             f"({sum(len(i) for i, _ in workload)} in the first run), {args.output_len[0]}..{args.output_len[1]} "
             f"new tokens each, greedy, EOS ignored, seeds {args.seed}..{args.seed + args.repeats - 1}.\n\n"
-            + common.markdown_table(
-                ["peer", "output tok/s (median)", "time s (median)", "every run, tok/s"],
-                [[name, f"{b[name]['median_output_tok_s']:.1f}", f"{b[name]['median_elapsed_s']:.2f}",
-                  " / ".join(f"{r['output_tok_s']:.1f}" for r in b[name]["runs"])] for name in ("pagoda", "llama.cpp")]
-                + [["pagoda / llama.cpp", f"{b['ratio']:.2f}", "", ""]])
+            + common.batch_table(b, ("pagoda", "llama.cpp"))
             + f"\n\nFirst 16 greedy tokens equal for {100 * b['agreement_first16']:.0f}% of requests "
               f"(different weight precision and kernels may flip near-ties of the random model).")
     s = result["single"]

@@ -24,6 +24,7 @@ It is a benchmark, not a test.
     python benchmarks/peer_vllm.py --model-config qwen2.5-0.5b --num-requests 16 --input-len 128 128 --output-len 64 64 --repeats 3 --threads 2
 """
 import argparse
+import functools
 import json
 import os
 import signal
@@ -158,28 +159,6 @@ def timed(name: str, side, workload) -> tuple[float, list[list[int]]]:
     return elapsed, outputs
 
 
-def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float:
-    return sum(1 for x, y in zip(a, b) if x[:prefix] == y[:prefix]) / max(1, len(a))
-
-
-def bench_batch(sides: dict, runs) -> dict:
-    rows = {name: [] for name in sides}
-    first = {}
-    for i, workload in enumerate(runs):  # alternating, so both see the same machine
-        out_tokens = sum(n for _, n in workload)
-        for name, side in sides.items():
-            elapsed, outputs = timed(name, side, workload)
-            rows[name].append({"elapsed_s": elapsed, "output_tok_s": out_tokens / elapsed})
-            log(f"{name} run {i + 1}/{len(runs)}: {elapsed:.2f} s, {out_tokens / elapsed:.1f} output tok/s")
-            first.setdefault(name, outputs)
-    res = {name: {"median_output_tok_s": statistics.median(r["output_tok_s"] for r in rs),
-                  "median_elapsed_s": statistics.median(r["elapsed_s"] for r in rs), "runs": rs}
-           for name, rs in rows.items()}
-    res["ratio"] = res["pagoda"]["median_output_tok_s"] / res["vLLM"]["median_output_tok_s"]
-    res["agreement_first16"] = agreement(first["pagoda"], first["vLLM"])
-    return res
-
-
 def bench_single(sides: dict, singles) -> dict:
     rows = {name: [] for name in sides}
     for i, (ids, n) in enumerate(singles):
@@ -249,7 +228,8 @@ def main(argv=None) -> int:
         for name, side in sides.items():
             timed(name, side, warmup)
         if args.mode in ("batch", "both"):
-            result["batch"] = bench_batch(sides, runs)
+            result["batch"] = common.bench_batch(
+                {name: functools.partial(timed, name, side) for name, side in sides.items()}, runs, log)
         if args.mode in ("single", "both"):
             result["single"] = bench_single(sides, singles)
     finally:
@@ -284,11 +264,7 @@ def report(args, path, sides, runs, result) -> str:
             f"Batch: {len(workload)} requests at once, prompts {args.input_len[0]}..{args.input_len[1]} tokens, "
             f"{args.output_len[0]}..{args.output_len[1]} new tokens each, greedy, EOS ignored, seeds "
             f"{args.seed}..{args.seed + args.repeats - 1}.\n\n"
-            + common.markdown_table(
-                ["peer", "output tok/s (median)", "time s (median)", "every run, tok/s"],
-                [[name, f"{b[name]['median_output_tok_s']:.1f}", f"{b[name]['median_elapsed_s']:.2f}",
-                  " / ".join(f"{r['output_tok_s']:.1f}" for r in b[name]["runs"])] for name in ("pagoda", "vLLM")]
-                + [["pagoda / vLLM", f"{b['ratio']:.2f}", "", ""]])
+            + common.batch_table(b, ("pagoda", "vLLM"))
             + f"\n\nFirst 16 greedy tokens equal for {100 * b['agreement_first16']:.0f}% of requests "
               f"(precision and kernels may flip near-ties of the random model).")
     s = result["single"]
