@@ -4,12 +4,14 @@ Three pieces, one home:
 - `read_adapter_config`: PEFT's adapter_config.json checked (what is not supported is refused in one
   line naming the field) -> AdapterInfo.
 - `LoRAModel` (one per rank, owned by the ModelRunner): every targetable linear layer gets stacked
-  buffers for `max_loras` resident slots (A: [slots, slices * max_rank, in], B per slice: [slots,
-  out, max_rank], the scaling folded into B, a smaller rank zero-padded). Each step the runner groups
-  the adapter rows by slot on the host (`step_slots`: k groups padded to the largest, no sort) and
-  sends that layout with the step's other inputs; every layer then adds the rows' updates in one
-  vectorised pass: gather the rows into [k, width, in], two batched matmuls with the k active slots'
-  A and B (per fused slice: q|k|v, gate|up), index_add into the base output. No row uses an adapter:
+  buffers for `max_loras` resident slots (At: [slots, in, slices * max_rank], Bt: [slots, max_rank, out],
+  slice i's outputs fed by At's columns i * max_rank.., the scaling folded into Bt, a smaller rank
+  zero-padded). Each step the runner groups the adapter rows by slot on the host (`step_slots`) and
+  sends that layout with the step's other inputs; every layer then adds the rows' updates in one pass.
+  On CPU that pass is one C++ op (csrc/lora_cpu.cpp: blocks of up to 8 rows of one slot, each reading
+  its slot's At and Bt once; no gather, no padding, no scatter). Elsewhere: gather the rows into
+  [k, width, in] (k groups padded to the largest), two batched matmuls with the k active slots' At and
+  Bt (per fused slice: q|k|v, gate|up), index_add into the base output. No row uses an adapter:
   nothing runs. Each row costs r * (in + out) multiply-adds per slice (padding aside).
   Under tensor parallelism A and B are sharded like the base layer: a column-parallel layer's B
   holds this rank's output rows (A whole); a row-parallel layer's A holds this rank's input columns
@@ -141,8 +143,9 @@ class LoRAStep:
     slots: tuple[int, ...]
     width: int
     num_rows: int
-    packed: object  # np.ndarray, int64
+    packed: object  # np.ndarray, int64; then the adapter rows sorted by slot [m] and their slots [m]
     all_rows: bool = False  # every row of the step, in order, on the one active slot
+    padded: bool = False  # the layout has padding (packed holds the rows' positions in it)
 
 
 class StepState:
@@ -151,6 +154,7 @@ class StepState:
     gather: torch.Tensor | None = None  # [k * width]: the rows of x in the padded per-slot layout; None: no adapter
     rows: torch.Tensor | None = None  # [m]: the batch row of each adapter row (no padding: gather itself)
     valid: torch.Tensor | None = None  # [m]: its position in the padded layout; None: no padding
+    by_slot: tuple = (None, None)  # [m] the adapter rows sorted by slot, [m] their slots (the C++ op's)
     width = 0
     all_rows = False  # one adapter for every row of the step, in order: no gather, no scatter
     version = 0  # bumped whenever a slot's weights change (layers cache their active selection)
@@ -159,43 +163,47 @@ class StepState:
 class LoRASlots:
     """One linear layer's adapter slots: `forward(x, y)` adds each row's update to the base output y."""
 
-    def __init__(self, layer, num_slots: int, rank: int, state: StepState, dtype: torch.dtype, device):
+    def __init__(self, layer, num_slots: int, rank: int, state: StepState, dtype: torch.dtype, device,
+                 use_ops: bool = False):
         out, inp = layer.out_features, layer.in_features
         offsets = getattr(layer, "shard_offsets", (0,))
         self.slices = [(a, b - a) for a, b in zip(offsets, (*offsets[1:], out))]  # (first row, rows) per piece
-        self.dtype, self.rank, self.state = dtype, rank, state
-        # A: [slots, slices * rank, in] (slice i's rows i*rank..); B: per slice [slots, out_slice, rank]
-        self.A = torch.zeros(num_slots, len(self.slices) * rank, inp, dtype=dtype, device=device)
-        self.B = [torch.zeros(num_slots, n, rank, dtype=dtype, device=device) for _, n in self.slices]
+        self.starts = [a for a, _ in self.slices]
+        self.dtype, self.rank, self.state, self.use_ops = dtype, rank, state, use_ops
+        # At: [slots, in, slices * rank] (slice i's columns i*rank..); Bt: [slots, rank, out]
+        self.At = torch.zeros(num_slots, inp, len(self.slices) * rank, dtype=dtype, device=device)
+        self.Bt = torch.zeros(num_slots, rank, out, dtype=dtype, device=device)
         self.has = [False] * num_slots  # slot holds a non-empty update for this layer
         self._cache = (None, None)
 
     def set(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """pieces: per slice, (A [r, in], B [out_slice, r] scaled) of this rank, or None (no update)."""
-        self.A[slot].zero_()
-        for b in self.B:
-            b[slot].zero_()
+        self.At[slot].zero_()
+        self.Bt[slot].zero_()
         for i, p in enumerate(pieces):
             if p is not None:
                 a, b = p
-                self.A[slot, i * self.rank:i * self.rank + a.shape[0]].copy_(a)
-                self.B[i][slot, :, :b.shape[1]].copy_(b)
+                first, n = self.slices[i]
+                self.At[slot, :, i * self.rank:i * self.rank + a.shape[0]].copy_(a.t())
+                self.Bt[slot, :b.shape[1], first:first + n].copy_(b.t())
         self.has[slot] = any(p is not None for p in pieces)
 
     def _active(self):
-        """(A [k, slices * rank, in], [B [k, out_slice, rank]] per slice) of the step's active slots, or
-        None when none of them touches this layer; cached while the slots stay the same."""
+        """(At [k, in, slices * rank], Bt [k, rank, out]) of the step's active slots, or None when none
+        of them touches this layer; cached while the slots stay the same."""
         st = self.state
         key = (st.slots, st.version)
         if self._cache[0] != key:
             sel = None
             if any(self.has[s] for s in st.slots):
                 first, k = st.slots[0], len(st.slots)
-                if st.slots == tuple(range(first, first + k)):  # consecutive slots (often all): views
-                    sel = self.A.narrow(0, first, k), [b.narrow(0, first, k) for b in self.B]
+                if self.use_ops:  # the C++ op reads every slot's weights in place
+                    sel = self.At, self.Bt
+                elif st.slots == tuple(range(first, first + k)):  # consecutive slots (often all): views
+                    sel = self.At.narrow(0, first, k), self.Bt.narrow(0, first, k)
                 else:
-                    idx = torch.tensor(st.slots, device=self.A.device)
-                    sel = self.A.index_select(0, idx), [b.index_select(0, idx) for b in self.B]
+                    idx = torch.tensor(st.slots, device=self.At.device)
+                    sel = self.At.index_select(0, idx), self.Bt.index_select(0, idx)
             self._cache = (key, sel)
         return self._cache[1]
 
@@ -207,16 +215,21 @@ class LoRASlots:
         sel = self._active()
         if sel is None:
             return y
-        a, bs = sel
-        k, r = a.shape[0], self.rank
+        at, bt = sel
+        k, r = at.shape[0], self.rank
+        if self.use_ops and x.dtype == y.dtype == self.dtype:
+            from pagoda.engine.layers import cpu_ops
+            cpu_ops.lora_rows_(y, x, at, bt, st.by_slot[0], st.by_slot[1], self.starts, r)
+            return y
         if st.all_rows and y.dtype == self.dtype:  # every row on one adapter: plain matmuls, added in place
-            xa = x @ a[0].t()  # [n, slices * rank]
-            for i, ((first, n), b) in enumerate(zip(self.slices, bs)):
-                y[:, first:first + n].addmm_(xa[:, i * r:(i + 1) * r], b[0].t())
+            xa = x @ at[0]  # [n, slices * rank]
+            for i, (first, n) in enumerate(self.slices):
+                y[:, first:first + n].addmm_(xa[:, i * r:(i + 1) * r], bt[0, :, first:first + n])
             return y
         xg = x.index_select(0, st.gather).view(k, st.width, -1).to(self.dtype)  # [k, width, in]: rows by slot
-        xa = torch.bmm(xg, a.transpose(1, 2))  # [k, width, slices * rank]
-        parts = [torch.bmm(xa[..., i * r:(i + 1) * r], b.transpose(1, 2)) for i, b in enumerate(bs)]
+        xa = torch.bmm(xg, at)  # [k, width, slices * rank]
+        parts = [torch.bmm(xa[..., i * r:(i + 1) * r], bt[:, :, first:first + n])
+                 for i, (first, n) in enumerate(self.slices)]
         delta = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(k * st.width, -1)  # [k*width, out]
         if st.all_rows:
             return y.add_(delta.to(y.dtype))
@@ -236,9 +249,10 @@ class LoRAModel:
         self.shapes = _checkpoint_shapes(model, checkpoint)  # checkpoint weight name -> (out, in), whole
         self.state = StepState()
         self.layers: dict[str, LoRASlots] = {}
+        use_ops = _cpu_ops_fit(device, dtype)
         for name, m in model.named_modules():
             if isinstance(m, Linear) and not isinstance(m, ParallelLMHead):
-                m.lora = self.layers[name] = LoRASlots(m, max_loras, max_rank, self.state, dtype, device)
+                m.lora = self.layers[name] = LoRASlots(m, max_loras, max_rank, self.state, dtype, device, use_ops)
         self.adapters: dict[str, dict[str, list]] = {}  # name -> layer name -> pieces (LoRASlots.set)
 
     def targetable(self) -> set[str]:
@@ -263,14 +277,16 @@ class LoRAModel:
         """The step's adapter rows (LoRAStep; packed: its arrays on the device), or None: no adapter."""
         st = self.state
         if step is None:
-            st.slots, st.gather, st.rows, st.valid, st.all_rows = (), None, None, None, False
+            st.slots, st.gather, st.rows, st.valid, st.all_rows, st.by_slot = (), None, None, None, False, (None, None)
             return
         k, m = len(step.slots), step.num_rows
         st.slots, st.width = step.slots, step.width
-        st.gather, st.rows = packed[:k * step.width], packed[k * step.width:k * step.width + m]
-        st.valid = packed[k * step.width + m:] if packed.shape[0] > k * step.width + m else None
+        layout = k * step.width
+        st.gather, st.rows = packed[:layout], packed[layout:layout + m]
+        st.valid = packed[layout + m:layout + 2 * m] if step.padded else None
         if st.valid is None:  # no padding: the layout's rows are the adapter rows, in its order
             st.rows = st.gather
+        st.by_slot = (packed[-2 * m:-m], packed[-m:])
         st.all_rows = step.all_rows
 
 
@@ -296,9 +312,11 @@ def step_slots(seq_slots, counts) -> LoRAStep | None:
     flat = (first[slot_idx] + within // width) * width + within % width  # [m]: position in the padded layout
     gather = np.zeros(int(per_slot.sum()) * width, dtype=np.int64)
     gather[flat] = rows
-    parts = [gather, rows] + ([flat] if len(rows) < len(gather) else [])
+    padded = len(rows) < len(gather)
+    order = np.argsort(slot_idx, kind="stable")  # the adapter rows grouped by slot, for the C++ op
+    parts = [gather, rows] + ([flat] if padded else []) + [rows[order], row_slot[rows][order]]
     return LoRAStep(tuple(int(s) for s in np.repeat(active, per_slot)), width, len(rows), np.concatenate(parts),
-                    all_rows=len(active) == 1 and len(rows) == len(row_slot) and per_slot[0] == 1)
+                    all_rows=len(active) == 1 and len(rows) == len(row_slot) and per_slot[0] == 1, padded=padded)
 
 
 def _group_width(sizes) -> int:
@@ -313,6 +331,14 @@ def _group_width(sizes) -> int:
             best, cost = w, groups * w + 2 * (groups - k)
         w *= 2
     return best
+
+
+def _cpu_ops_fit(device, dtype) -> bool:
+    """Whether the layers take pagoda's C++ op (CPU, float32 or bfloat16, the ops built)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from pagoda.engine.layers import cpu_ops
+    return cpu_ops.is_available(device)[0]
 
 
 def targetable_modules(model) -> set[str]:
@@ -390,7 +416,7 @@ def _read_weights(model, layers: dict[str, LoRASlots], shapes: dict, name: str, 
             a = _shard(a, parts[None], 1)
         i = 0 if shard is None else shard
         first, n = layer.slices[i]
-        if a.shape[1] != layer.A.shape[-1] or b.shape[0] != n:
+        if a.shape[1] != layer.At.shape[1] or b.shape[0] != n:
             raise ValueError(f"{where}: {lname} weights A {tuple(a.shape)}, B {tuple(b.shape)} do not fit the "
                              f"model's layer (another base model's adapter?)")
         pieces = out.setdefault(lname, [None] * len(layer.slices))

@@ -110,6 +110,9 @@ def test_each_adapter_alone_and_mixed_match_peft(adapters, family):
     for (p, a), o in zip(batch, outs):
         e = expected[a][prompts.index(p)]
         assert o.token_ids == e, (a, len(p))
+    from pagoda.engine.layers import cpu_ops
+    uses_op = {layer.use_ops for layer in llm.engine.runner.lora.layers.values()}
+    assert uses_op == {cpu_ops.is_available("cpu")[0]}  # the C++ op wherever it is built
     _assert_clean(llm)
 
 
@@ -316,16 +319,58 @@ def test_step_rows_grouped_by_slot_without_sorting():
     # sequences' slots and query rows: rows 0 | 1 (base) | 2 3 4 | 5 | 6 7 | 8
     step = step_slots([0, -1, 2, 0, 2, 1], [1, 1, 3, 1, 2, 1])
     assert step.slots == (0, 1, 2) and step.width == 5 and step.num_rows == 8
-    gather, rows, flat = step.packed[:15], step.packed[15:23], step.packed[23:]
+    assert step.padded
+    gather, rows, flat = step.packed[:15], step.packed[15:23], step.packed[23:31]
     assert gather.tolist() == [0, 5, 0, 0, 0, 8, 0, 0, 0, 0, 2, 3, 4, 6, 7]  # padded with row 0
     assert rows.tolist() == [0, 2, 3, 4, 5, 6, 7, 8]
     assert gather[flat].tolist() == rows.tolist()
+    # the C++ op's: the adapter rows grouped by slot (stable), and their slots
+    assert step.packed[31:39].tolist() == [0, 5, 8, 2, 3, 4, 6, 7]
+    assert step.packed[39:].tolist() == [0, 0, 1, 2, 2, 2, 2, 2]
     assert step_slots([-1, -1], [3, 1]) is None
     even = step_slots([1, 0, 1, 0], [1, 1, 1, 1])  # no padding: the layout alone
-    assert even.width == 2 and len(even.packed) == 4 + 4
+    assert even.width == 2 and not even.padded and len(even.packed) == 4 + 4 + 8
+    assert even.packed[8:].tolist() == [1, 3, 0, 2, 0, 0, 1, 1]
     # a 40-row prefill chunk beside single decode rows: split into groups of 8 of its slot
     mixed = step_slots([1, 2, 3, 0], [1, 1, 1, 40])
     assert mixed.width == 8 and mixed.slots == (0,) * 5 + (1, 2, 3) and mixed.num_rows == 43
-    gather, rows, flat = mixed.packed[:64], mixed.packed[64:107], mixed.packed[107:]
+    gather, rows, flat = mixed.packed[:64], mixed.packed[64:107], mixed.packed[107:150]
     assert gather[flat].tolist() == rows.tolist() == list(range(43))
     assert gather[:40].tolist() == list(range(3, 43)) and gather[40:].tolist()[::8] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_op_equals_batched_matmuls(dtype):
+    """The C++ op (CPU) and the gather / batched-matmul pass (other devices) add the same updates, for a
+    fused layer (3 slices, uneven), rows of several slots interleaved with base rows, a prefill-sized
+    run of one slot and a slot whose layer has no update."""
+    from pagoda.engine.layers import cpu_ops
+    from pagoda.engine.lora import LoRAModel, LoRASlots, StepState, step_slots
+    if not cpu_ops.is_available("cpu")[0]:
+        pytest.skip("pagoda's CPU ops are not built here")
+    torch.manual_seed(0)
+
+    class Layer:
+        in_features, out_features, shard_offsets = 40, 72, (0, 32, 52)
+
+    state = StepState()
+    layers = {ops: LoRASlots(Layer(), 4, 8, state, dtype, "cpu", use_ops=ops) for ops in (True, False)}
+    for slot, rank in ((0, 8), (1, 3), (3, 5)):
+        pieces = [(torch.randn(rank, 40), torch.randn(n, rank)) for n in (32, 20, 20)]
+        pieces[1] = None if slot == 3 else pieces[1]  # a slice without an update
+        for layer in layers.values():
+            layer.set(slot, [None if p is None else (p[0].to(dtype), p[1].to(dtype)) for p in pieces])
+    seq_slots, counts = [2, 0, -1, 1, 3, 0, 1], [1, 1, 1, 1, 1, 19, 1]  # slot 2 is empty
+    step = step_slots(seq_slots, counts)
+    x = torch.randn(sum(counts), 40).to(dtype)
+    y = torch.randn(sum(counts), 72).to(dtype)
+    out = {}
+    model = LoRAModel.__new__(LoRAModel)
+    model.state = state
+    model.set_step(step, torch.from_numpy(step.packed))
+    for ops, layer in layers.items():
+        out[ops] = layer.forward(x, y.clone())
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(out[True].float(), out[False].float(), atol=tol, rtol=tol)
+    base_row = 2
+    assert torch.equal(out[True][base_row], y[base_row])

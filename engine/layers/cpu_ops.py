@@ -1,6 +1,7 @@
 """pagoda's C++ ops for CPU (csrc/): paged attention and its cache write, fused RMSNorm (with
-the residual add before it), SiLU-and-mul and rotary embedding, the greedy argmax, and float32 linear
-layers for a few rows (csrc/linear_cpu.cpp). They run in torch's intra-op threads.
+the residual add before it), SiLU-and-mul and rotary embedding, the greedy argmax, float32 linear
+layers for a few rows (csrc/linear_cpu.cpp) and LoRA adapters' per-row updates (csrc/lora_cpu.cpp).
+They run in torch's intra-op threads.
 
 They are compiled when pagoda is installed (setup.py: one library for AVX-512 machines, one for AVX2,
 chosen here by the CPU torch reports). Where no library matches (no compiler at install, another
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp",
-                                                   "linear_cpu.cpp")]
+                                                   "linear_cpu.cpp", "lora_cpu.cpp")]
 # per CPU capability torch reports, so that a build cache shared between machines stays valid
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
@@ -170,3 +171,9 @@ def linear(x, weight, bias):
     if x.shape[0] > ROW_MAJOR_ROWS and weight.stride(1) == 1:
         return torch.nn.functional.linear(x, weight, bias)
     return ops().linear_few_rows(x, weight, bias)
+
+
+def lora_rows_(y, x, at, bt, rows, slots, slice_start: list[int], rank: int) -> None:
+    # y: [n, out] += per row r of slot s: (x[r] @ at[s]) @ bt[s] (slice j: at's columns j * rank ..);
+    # x: [n, in]; at: [slots, in, slices * rank]; bt: [slots, rank, out]; rows, slots: [m] int64, grouped by slot
+    ops().lora_rows_(y, x, at, bt, rows, slots, slice_start, rank)
