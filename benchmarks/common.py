@@ -7,6 +7,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -238,6 +239,16 @@ def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float
     return sum(1 for x, y in zip(a, b) if x[:prefix] == y[:prefix]) / max(1, len(a))
 
 
+SETTLE_S = 0.5  # > libiomp5's KMP_BLOCKTIME (200 ms) and libgomp's spin (~0.3 s at 1e9 / s)
+
+
+def settle() -> None:
+    """A pause before a timed call: a side's OpenMP threads go on spinning for a while after its call
+    returns (vLLM's libiomp5 for 200 ms by default), and the next side's call would share the cores
+    with them (pagoda's 1-token call measured 1.1 s right after vLLM's, 0.18 s alone)."""
+    time.sleep(SETTLE_S)
+
+
 def bench_batch(sides: dict, runs, log) -> dict:
     """Each workload run by every side in turn (alternating, so both see the same machine); `sides` maps a
     name to a callable workload -> (seconds, outputs), pagoda's first. Medians, pagoda over the peer, and
@@ -247,6 +258,7 @@ def bench_batch(sides: dict, runs, log) -> dict:
     for i, workload in enumerate(runs):
         out_tokens = sum(n for _, n in workload)
         for name, run in sides.items():
+            settle()
             elapsed, outputs = run(workload)
             rows[name].append({"elapsed_s": elapsed, "output_tok_s": out_tokens / elapsed})
             log(f"{name} run {i + 1}/{len(runs)}: {elapsed:.2f} s, {out_tokens / elapsed:.1f} output tok/s")

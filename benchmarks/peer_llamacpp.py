@@ -436,6 +436,7 @@ def bench_single(pagoda: Pagoda, llama: LlamaCpp, singles) -> dict:
     sides = {"pagoda": [], "llama.cpp": []}
     for i, (ids, n) in enumerate(singles):
         for name, side in (("pagoda", pagoda), ("llama.cpp", llama)):
+            common.settle()
             r = side.single(ids, n)
             sides[name].append(r)
             log(f"{name} single {i + 1}/{len(singles)}: {r['wall_s']:.2f} s, decode {r['decode_tok_s']:.1f} tok/s")

@@ -163,7 +163,9 @@ def bench_single(sides: dict, singles) -> dict:
     rows = {name: [] for name in sides}
     for i, (ids, n) in enumerate(singles):
         for name, side in sides.items():
+            common.settle()
             one, _ = timed(name, side, [(ids, 1)])
+            common.settle()
             wall, _ = timed(name, side, [(ids, n)])
             rows[name].append({"wall_s": wall, "wall_tok_s": n / wall, "first_token_s": one,
                                "decode_tok_s": (n - 1) / (wall - one) if wall > one else float("nan")})
