@@ -183,6 +183,25 @@ class ToolFormat:
                 return ToolCall(name, text[pos:end], complete=False), len(text)
         return ToolCall(name, text[pos:end]), close
 
+    def separated_calls(self, text: str, head: int, start: int, names: set, sep: str, close: str | None = None):
+        """parse_calls for calls written one after another (the first at head), `sep` between them, the
+        list ended by `close` when given (else by anything but `sep`)."""
+        calls, pos = [], start
+        while True:
+            call, end = self.call_at(text, head, names, ())
+            if call is None:
+                return calls, pos, end == _BAD
+            calls.append(call)
+            if not call.complete:
+                return calls, end, False
+            pos = end
+            shut = _lit(text, end, close) if close else _BAD
+            if shut >= 0:
+                return calls, shut, True
+            head = _lit(text, end, sep)
+            if head < 0:
+                return calls, pos, head == _BAD and shut == _BAD
+
 
 class Hermes(ToolFormat):
     """Hermes / Qwen2.5 / Qwen3: <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>, one
@@ -234,18 +253,7 @@ class Llama3Json(ToolFormat):
         return 0 if text.startswith(self.trigger) else -1
 
     def parse_calls(self, text, start, names):
-        calls, pos, head = [], start, start
-        while True:
-            call, end = self.call_at(text, head, names, ())
-            if call is None:
-                return calls, pos, end == _BAD
-            calls.append(call)
-            if not call.complete:
-                return calls, end, False
-            pos = end
-            head = _lit(text, pos, ";")
-            if head < 0:
-                return calls, pos, head == _BAD
+        return self.separated_calls(text, start, start, names, ";")
 
 
 class Mistral(ToolFormat):
@@ -276,21 +284,7 @@ class Mistral(ToolFormat):
         head = _lit(text, start + len(self.trigger), "[")
         if head < 0:
             return [], start, head == _BAD
-        calls, pos = [], start
-        while True:  # element by element: the calls before one cut short are whole
-            call, end = self.call_at(text, head, names, ())
-            if call is None:
-                return calls, pos, end == _BAD
-            calls.append(call)
-            if not call.complete:
-                return calls, end, False
-            pos = end
-            close = _lit(text, end, "]")
-            if close >= 0:
-                return calls, close, True
-            head = _lit(text, end, ",")
-            if head < 0:
-                return calls, pos, head == _BAD and close == _BAD
+        return self.separated_calls(text, head, start, names, ",", "]")  # the calls before one cut short are whole
 
 
 FORMATS = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}

@@ -16,7 +16,7 @@ from pagoda.client.client import Client
 from pagoda.server.openai.chat import render_chat
 from pagoda.server.openai.protocol import ChatMessage
 from pagoda.server.options import ServerOptions
-from tool_templates import build_tool_checkpoint
+from tool_templates import build_tool_checkpoint, tool_server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,13 +53,10 @@ def family(request):
 
 @pytest.fixture(scope="module")
 def srv(family, tmp_path_factory):
-    path = build_tool_checkpoint(str(tmp_path_factory.mktemp(family)), family)
     # room for the whole batch: the Llama-style template renders the tools into ~3,500 prompt tokens, and
     # with less the mixed batch would thrash on preemptions (tested apart, below)
-    s = InProcessServer.for_config(engine_config(path, num_kv_blocks=1024, max_num_seqs=8),
-                                   ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
-    yield s
-    s.stop()
+    with tool_server(tmp_path_factory, family, num_kv_blocks=1024, max_num_seqs=8) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

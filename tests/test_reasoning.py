@@ -9,12 +9,11 @@ import llguidance.hf
 import openai
 import pytest
 
-from grpc_fixtures import InProcessServer, engine_config, openai_client
+from grpc_fixtures import openai_client
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.reasoning import Reasoning, ReasoningStream, check_template_kwargs, reasoning_for
 from pagoda.engine.tools import check_tools, FORMATS, token_spelling
-from pagoda.server.options import ServerOptions
-from tool_templates import build_tool_checkpoint, build_tool_tokenizer
+from tool_templates import build_tool_tokenizer, tool_server
 
 TEXTS = ["<think>\nLet me see: 東京.\n</think>\n\nIt is 12°C.", "<think>\ncut short", "Just an answer.", "",
          "<think></think>Answer"]
@@ -112,11 +111,8 @@ def test_a_structured_output_is_constrained_only_after_the_reasoning(family, kin
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = build_tool_checkpoint(str(tmp_path_factory.mktemp("qwen3")), "qwen3")
-    s = InProcessServer.for_config(engine_config(path, num_kv_blocks=128),
-                                   ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
-    yield s
-    s.stop()
+    with tool_server(tmp_path_factory, "qwen3", num_kv_blocks=128) as s:
+        yield s
 
 
 def test_http_reasoning_then_a_call(srv):

@@ -8,10 +8,9 @@ import jsonschema
 import openai
 import pytest
 
-from grpc_fixtures import InProcessServer, engine_config, openai_client, wait_all_blocks_free
+from grpc_fixtures import openai_client, wait_all_blocks_free
 from pagoda.client.client import Client
-from pagoda.server.options import ServerOptions
-from tool_templates import build_tool_checkpoint
+from tool_templates import tool_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,11 +23,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = build_tool_checkpoint(str(tmp_path_factory.mktemp("qwen")), "qwen")
-    s = InProcessServer.for_config(engine_config(path, num_kv_blocks=256),
-                                   ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
-    yield s
-    s.stop()
+    with tool_server(tmp_path_factory, "qwen", num_kv_blocks=256) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ from typing import Literal
 
 import pytest
 
-from grpc_fixtures import InProcessServer, engine_config
-from pagoda.server.options import ServerOptions
-from tool_templates import build_tool_checkpoint
+from tool_templates import tool_server
 
 pytestmark = pytest.mark.timeout(300)
 # a random model fills a free string until max_tokens: the arguments here are bounded
@@ -19,11 +17,8 @@ CITY = Literal[CITIES]
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = build_tool_checkpoint(str(tmp_path_factory.mktemp("qwen")), "qwen")
-    s = InProcessServer.for_config(engine_config(path, num_kv_blocks=256),
-                                   ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
-    yield s
-    s.stop()
+    with tool_server(tmp_path_factory, "qwen", num_kv_blocks=256) as s:
+        yield s
 
 
 def langchain_model(srv, **kw):

@@ -1,7 +1,9 @@
 """Tokenizers with tool-capable chat templates, built locally: byte-level BPE (engine/demo.py's) with
 the family's markers as added tokens and a chat template written after the family's own (Qwen2.5's
 Hermes-style, Llama 3.1's JSON calls, Mistral's [TOOL_CALLS]), shortened but rendering tools,
-assistant tool calls and tool results the way the originals do."""
+assistant tool calls and tool results the way the originals do; `tool_server` serves one."""
+import contextlib
+
 from tokenizers import AddedToken
 
 QWEN = r"""
@@ -121,3 +123,19 @@ def build_tool_checkpoint(path: str, family: str) -> str:
     arch = {"qwen": "llama", "qwen3": "qwen3", "llama": "llama", "mistral": "mistral"}[family]
     return build_tiny_checkpoint(path, arch, initializer_range=0.3, tokenizer=build_tool_tokenizer(family),
                                  max_position_embeddings=4096)
+
+
+@contextlib.contextmanager
+def tool_server(tmp_path_factory, family: str, **engine_options):
+    """An in-process server (HTTP on a free port, the model named "m") over a tool-capable checkpoint
+    of `family`, stopped on exit."""
+    from grpc_fixtures import InProcessServer, engine_config
+    from pagoda.server.options import ServerOptions
+
+    path = build_tool_checkpoint(str(tmp_path_factory.mktemp(family)), family)
+    server = InProcessServer.for_config(engine_config(path, **engine_options),
+                                        ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
+    try:
+        yield server
+    finally:
+        server.stop()
