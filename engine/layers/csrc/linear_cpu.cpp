@@ -25,7 +25,6 @@ constexpr int kRegs = 16;
 #endif
 typedef float vec __attribute__((vector_size(kW * 4), aligned(4)));
 constexpr int kMaxRows = 8;  // rows per block (the accumulators of a block stay in registers)
-constexpr int64_t kPrefetchRows = 16;  // a column-major tile asks for its weights this many inputs ahead
 
 inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
@@ -42,39 +41,58 @@ inline vec fma(vec a, vec b, vec c) {
 #endif
 }
 
-// Column-major weight (wt: [K, O] row-major, i.e. weight.t() contiguous): a tile of NV vectors of
-// outputs for M rows; acc[m][j] += x[m][k] * wt[k][o + j * kW + lane], k ascending.
-template <int M, int NV>
-void tile_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
-            int64_t O, int64_t o) {
-  vec acc[M][NV];
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NV; ++j) acc[m][j] = vec{} + 0.f;
-  for (int64_t k = 0; k < K; ++k) {
-    const float* w = wt + k * O + o;
-    // the tile's rows of weights are O floats apart: too far for the hardware prefetcher to follow
-    for (int j = 0; j < NV; ++j) __builtin_prefetch(w + kPrefetchRows * O + j * kW);
-    vec wv[NV];
-    for (int j = 0; j < NV; ++j) wv[j] = load(w + j * kW);
-    for (int m = 0; m < M; ++m) {
-      const vec b = vec{} + x[m * ldx + k];
-      for (int j = 0; j < NV; ++j) acc[m][j] = fma(b, wv[j], acc[m][j]);
+// Column-major weight (wt: [K, O] row-major, i.e. weight.t() contiguous), outputs [o, o + width) (a
+// multiple of kW) of M rows, the accumulators in y: a chunk of outputs at a time (its M rows of y stay
+// in L1), KU rows of wt per pass, each read along the chunk: a few long contiguous streams, which the
+// hardware prefetchers follow (register tiles that read a short piece of every row of wt in turn ran
+// at half the memory's bandwidth on an Intel Xeon). Each output is one chain of fused multiply-adds,
+// k ascending from 0, whatever M.
+template <int M>
+void stream_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
+              int64_t O, int64_t o, int64_t width) {
+  constexpr int KU = 4;
+  constexpr int64_t kChunk = std::max<int64_t>(2 * kW, (32768 / (4 * M)) / kW * kW);  // M rows in 32 KB
+  for (int64_t c = o; c < o + width; c += kChunk) {
+    const int64_t n = std::min(kChunk, o + width - c);
+    for (int m = 0; m < M; ++m)
+      for (int64_t j = 0; j < n; j += kW) store(y + m * ldy + c + j, vec{} + 0.f);
+    int64_t k = 0;
+    for (; k + KU <= K; k += KU) {
+      const float* w = wt + k * O + c;
+      for (int64_t j = 0; j < n; j += kW) {
+        vec wv[KU];
+        for (int u = 0; u < KU; ++u) wv[u] = load(w + u * O + j);
+        for (int m = 0; m < M; ++m) {
+          float* yp = y + m * ldy + c + j;
+          vec acc = load(yp);
+          for (int u = 0; u < KU; ++u) acc = fma(vec{} + x[m * ldx + k + u], wv[u], acc);
+          store(yp, acc);
+        }
+      }
     }
+    for (; k < K; ++k) {
+      const float* w = wt + k * O + c;
+      for (int64_t j = 0; j < n; j += kW) {
+        const vec wv = load(w + j);
+        for (int m = 0; m < M; ++m) {
+          float* yp = y + m * ldy + c + j;
+          store(yp, fma(vec{} + x[m * ldx + k], wv, load(yp)));
+        }
+      }
+    }
+    if (bias != nullptr)
+      for (int m = 0; m < M; ++m)
+        for (int64_t j = 0; j < n; j += kW) store(y + m * ldy + c + j, load(y + m * ldy + c + j) + load(bias + c + j));
   }
-  for (int m = 0; m < M; ++m)
-    for (int j = 0; j < NV; ++j)
-      store(y + m * ldy + o + j * kW, bias != nullptr ? acc[m][j] + load(bias + o + j * kW) : acc[m][j]);
 }
 
-// outputs [o, o + width) of M rows, column-major weight: vector tiles, then one column at a time
+// outputs [o, o + width) of M rows, column-major weight: vector streams, then one column at a time
 template <int M>
 void columns_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
                int64_t O, int64_t o, int64_t width) {
-  constexpr int NV = std::max(1, std::min(8, (kRegs - 2) / (M + 1)));
-  const int64_t end = o + width;
-  for (; o + NV * kW <= end; o += NV * kW) tile_t<M, NV>(x, ldx, wt, bias, y, ldy, K, O, o);
-  for (; o + kW <= end; o += kW) tile_t<M, 1>(x, ldx, wt, bias, y, ldy, K, O, o);
-  for (; o < end; ++o)
+  const int64_t end = o + width, vectors = width / kW * kW;
+  stream_t<M>(x, ldx, wt, bias, y, ldy, K, O, o, vectors);
+  for (o += vectors; o < end; ++o)
     for (int m = 0; m < M; ++m) {
       float s = 0.f;
       for (int64_t k = 0; k < K; ++k) s = __builtin_fmaf(x[m * ldx + k], wt[k * O + o], s);
