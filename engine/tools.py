@@ -183,12 +183,14 @@ class ToolFormat:
                 return ToolCall(name, text[pos:end], complete=False), len(text)
         return ToolCall(name, text[pos:end]), close
 
-    def separated_calls(self, text: str, head: int, start: int, names: set, sep: str, close: str | None = None):
-        """parse_calls for calls written one after another (the first at head), `sep` between them, the
-        list ended by `close` when given (else by anything but `sep`)."""
+    def separated_calls(self, text: str, head: int, start: int, names: set, sep: str, close: str | None = None,
+                        closing: tuple = ()):
+        """parse_calls for calls written one after another (the first at head, each followed by its
+        `closing` literals), `sep` before each next one, the list ended by `close` when given (else by
+        anything but `sep`)."""
         calls, pos = [], start
         while True:
-            call, end = self.call_at(text, head, names, ())
+            call, end = self.call_at(text, head, names, closing)
             if call is None:
                 return calls, pos, end == _BAD
             calls.append(call)
@@ -218,18 +220,10 @@ class Hermes(ToolFormat):
         return f'start: "\\n" ({call}) "\\n" {token(self.end)}' + (' ("\\n" block)*' if parallel else "")
 
     def parse_calls(self, text, start, names):
-        calls, pos = [], start
-        while True:
-            head = _lit(text, pos, self.trigger)
-            if head < 0:  # over unless what follows may begin another block
-                return calls, pos, head == _BAD
-            call, end = self.call_at(text, head, names, (self.end,))
-            if call is None:
-                return calls, pos, end == _BAD
-            calls.append(call)
-            if not call.complete:
-                return calls, end, False
-            pos = end
+        head = _lit(text, start, self.trigger)
+        if head < 0:  # over unless what follows may begin a block
+            return [], start, head == _BAD
+        return self.separated_calls(text, head, start, names, self.trigger, closing=(self.end,))
 
 
 class Llama3Json(ToolFormat):

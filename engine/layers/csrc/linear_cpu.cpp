@@ -9,37 +9,15 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_vec.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kW = 16;  // floats per vector register
-constexpr int kRegs = 32;
-#else
-constexpr int kW = 8;
-constexpr int kRegs = 16;
-#endif
-typedef float vec __attribute__((vector_size(kW * 4), aligned(4)));
+using namespace pagoda;
 constexpr int kMaxRows = 8;  // rows per block (the accumulators of a block stay in registers)
-
-inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
-inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
-// a * b + c rounded once, as the scalar tails' fmaf (ISO C++ builds do not contract a * b + c themselves)
-inline vec fma(vec a, vec b, vec c) {
-#if defined(__AVX512F__)
-  return _mm512_fmadd_ps(a, b, c);
-#elif defined(__FMA__)
-  return _mm256_fmadd_ps(a, b, c);
-#else
-  vec r;
-  for (int l = 0; l < kW; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
-  return r;
-#endif
-}
 
 // Column-major weight (wt: [K, O] row-major, i.e. weight.t() contiguous), outputs [o, o + width) (a
 // multiple of kW) of M rows, the accumulators in y: a chunk of outputs at a time (its M rows of y stay

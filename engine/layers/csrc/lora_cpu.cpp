@@ -5,49 +5,22 @@
 // the same sequence of fused multiply-adds whatever the rows beside it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
-
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kW = 16;  // floats per vector register
-constexpr int kRegs = 32;
-#else
-constexpr int kW = 8;
-constexpr int kRegs = 16;
-#endif
-typedef float vec __attribute__((vector_size(kW * 4), aligned(4)));
+using namespace pagoda;
 constexpr int kMaxRows = 8;  // rows per block: their accumulators stay in registers
 
-inline vec fma(vec a, vec b, vec c) {
-#if defined(__AVX512F__)
-  return _mm512_fmadd_ps(a, b, c);
-#else
-  return _mm256_fmadd_ps(a, b, c);
-#endif
-}
-
-// float32 and bfloat16 (widened to float32: bf16 is the high half of a float's bits)
-inline vec loadv(const float* p) { return *reinterpret_cast<const vec*>(p); }
-inline vec loadv(const c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-#else
-  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-#endif
-}
-inline void add_store(float* p, vec v) { *reinterpret_cast<vec*>(p) = loadv(p) + v; }
+inline void add_store(float* p, vec v) { *reinterpret_cast<vec*>(p) = load(p) + v; }
 inline void add_store(c10::BFloat16* p, vec v) {
-  const vec s = loadv(p) + v;
+  const vec s = load(p) + v;
   for (int l = 0; l < kW; ++l) p[l] = c10::BFloat16(s[l]);  // round to nearest even, as torch does
 }
 
@@ -69,7 +42,7 @@ void shrink_tile(const Args& g, const T* const* x, const T* at, float* t, int64_
     for (int j = 0; j < NV; ++j) acc[m][j] = vec{} + 0.f;
   for (int64_t k = 0; k < g.in; ++k) {
     vec w[NV];
-    for (int j = 0; j < NV; ++j) w[j] = loadv(at + k * g.cols + c0 + j * kW);
+    for (int j = 0; j < NV; ++j) w[j] = load(at + k * g.cols + c0 + j * kW);
     for (int m = 0; m < M; ++m) {
       const vec b = vec{} + float(x[m][k]);
       for (int j = 0; j < NV; ++j) acc[m][j] = fma(b, w[j], acc[m][j]);
@@ -102,7 +75,7 @@ void expand_tile(const Args& g, const float* tj, const T* bt, T* const* y, int64
     for (int j = 0; j < NV; ++j) acc[m][j] = vec{} + 0.f;
   for (int64_t k = 0; k < g.rank; ++k) {
     vec w[NV];
-    for (int j = 0; j < NV; ++j) w[j] = loadv(bt + k * g.out + o + j * kW);
+    for (int j = 0; j < NV; ++j) w[j] = load(bt + k * g.out + o + j * kW);
     for (int m = 0; m < M; ++m) {
       const vec b = vec{} + tj[m * g.cols + k];
       for (int j = 0; j < NV; ++j) acc[m][j] = fma(b, w[j], acc[m][j]);
