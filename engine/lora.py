@@ -217,10 +217,12 @@ class LoRASlots:
             return y
         at, bt = sel
         k, r = at.shape[0], self.rank
-        if self.use_ops and x.dtype == y.dtype == self.dtype:
+        if self.use_ops:  # the C++ op: every slot's weights, the rows grouped by slot
             from pagoda.engine.layers import cpu_ops
-            cpu_ops.lora_rows_(y, x, at, bt, st.by_slot[0], st.by_slot[1], self.starts, r)
-            return y
+            out = y if y.dtype == self.dtype and y.stride(-1) == 1 else y.to(self.dtype).contiguous()
+            xs = x.to(self.dtype)
+            cpu_ops.lora_rows_(out, xs if xs.stride(-1) == 1 else xs.contiguous(), at, bt, *st.by_slot, self.starts, r)
+            return y if out is y else y.copy_(out)
         if st.all_rows and y.dtype == self.dtype:  # every row on one adapter: plain matmuls, added in place
             xa = x @ at[0]  # [n, slices * rank]
             for i, (first, n) in enumerate(self.slices):
