@@ -18,6 +18,34 @@ namespace {
 
 using namespace pagoda;
 constexpr int kMaxRows = 8;  // rows per block (the accumulators of a block stay in registers)
+constexpr int64_t kPrefetchRows = 16;  // a column-major tile asks for its weights this many inputs ahead
+// a column-major weight this large comes from memory, not cache: streams; below it, register tiles
+// (several rows of a cached weight: the streams' loads and stores of y would cost more than the reads)
+constexpr int64_t kStreamWeights = 1 << 19;  // floats (2 MB)
+
+// Column-major weight, a weight that fits in cache: a tile of NV vectors of outputs for M rows in
+// registers; acc[m][j] += x[m][k] * wt[k][o + j * kW + lane], k ascending.
+template <int M, int NV>
+void tile_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
+            int64_t O, int64_t o) {
+  vec acc[M][NV];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j) acc[m][j] = vec{} + 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* w = wt + k * O + o;
+    // the tile's rows of weights are O floats apart: too far for the hardware prefetcher to follow
+    for (int j = 0; j < NV; ++j) __builtin_prefetch(w + kPrefetchRows * O + j * kW);
+    vec wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = load(w + j * kW);
+    for (int m = 0; m < M; ++m) {
+      const vec b = vec{} + x[m * ldx + k];
+      for (int j = 0; j < NV; ++j) acc[m][j] = fma(b, wv[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < NV; ++j)
+      store(y + m * ldy + o + j * kW, bias != nullptr ? acc[m][j] + load(bias + o + j * kW) : acc[m][j]);
+}
 
 // Column-major weight (wt: [K, O] row-major, i.e. weight.t() contiguous), outputs [o, o + width) (a
 // multiple of kW) of M rows, the accumulators in y: a chunk of outputs at a time (its M rows of y stay
@@ -64,13 +92,21 @@ void stream_t(const float* x, int64_t ldx, const float* wt, const float* bias, f
   }
 }
 
-// outputs [o, o + width) of M rows, column-major weight: vector streams, then one column at a time
+// outputs [o, o + width) of M rows, column-major weight: vector streams or tiles, then one column at a time
 template <int M>
 void columns_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
                int64_t O, int64_t o, int64_t width) {
-  const int64_t end = o + width, vectors = width / kW * kW;
-  stream_t<M>(x, ldx, wt, bias, y, ldy, K, O, o, vectors);
-  for (o += vectors; o < end; ++o)
+  constexpr int NV = std::max(1, std::min(8, (kRegs - 2) / (M + 1)));
+  const int64_t end = o + width;
+  if (K * O >= kStreamWeights) {
+    const int64_t vectors = width / kW * kW;
+    stream_t<M>(x, ldx, wt, bias, y, ldy, K, O, o, vectors);
+    o += vectors;
+  } else {
+    for (; o + NV * kW <= end; o += NV * kW) tile_t<M, NV>(x, ldx, wt, bias, y, ldy, K, O, o);
+    for (; o + kW <= end; o += kW) tile_t<M, 1>(x, ldx, wt, bias, y, ldy, K, O, o);
+  }
+  for (; o < end; ++o)
     for (int m = 0; m < M; ++m) {
       float s = 0.f;
       for (int64_t k = 0; k < K; ++k) s = __builtin_fmaf(x[m * ldx + k], wt[k * O + o], s);
