@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.engine.layers import cpu_ops
+
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -218,7 +220,6 @@ class LoRASlots:
         at, bt = sel
         k, r = at.shape[0], self.rank
         if self.use_ops:  # the C++ op: every slot's weights, the rows grouped by slot
-            from pagoda.engine.layers import cpu_ops
             out = y if y.dtype == self.dtype and y.stride(-1) == 1 else y.to(self.dtype).contiguous()
             xs = x.to(self.dtype)
             cpu_ops.lora_rows_(out, xs if xs.stride(-1) == 1 else xs.contiguous(), at, bt, *st.by_slot, self.starts, r)
@@ -339,7 +340,6 @@ def _cpu_ops_fit(device, dtype) -> bool:
     """Whether the layers take pagoda's C++ op (CPU, float32 or bfloat16, the ops built)."""
     if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    from pagoda.engine.layers import cpu_ops
     return cpu_ops.is_available(device)[0]
 
 
