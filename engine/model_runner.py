@@ -29,6 +29,7 @@ log = logging.getLogger("pagoda.engine")
 
 
 SCORED_ROWS = 256  # prompt rows whose logits are computed at once (prompt logprobs)
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # pagoda's CPU ops (csrc/layers_cpu.cpp, linear_cpu.cpp) run these
 
 
 class ModelRunner:
@@ -78,11 +79,11 @@ class ModelRunner:
         if config.deterministic:
             deterministic.prepare_model_(model, dtype, fused)
         elif device.type == "cpu" and not (config.cpu_linear == "onednn" and deterministic.pack_linears_(
-                model, keep_weights=fused is not None and dtype == torch.float32)):
+                model, keep_weights=fused is not None and dtype in FUSED_DTYPES)):
             _column_major_linears(model)
-        # The CPU backend's fused norm, activation and rotary: float32 only (their bf16/fp16
-        # conversions do not vectorise; torch's own kernels are faster there)
-        if fused is not None and dtype == torch.float32:
+        # The CPU backend's fused norm, activation, rotary and few-row linear: float32 and bfloat16
+        # (float16's conversions do not vectorise; torch's own kernels are faster there)
+        if fused is not None and dtype in FUSED_DTYPES:
             for m in model.modules():
                 if hasattr(type(m), "fused_ops"):
                     m.fused_ops = fused

@@ -120,7 +120,7 @@ def _mark(layer: nn.Module, dim: int, parts: dict) -> nn.Module:
 # and rather than oneDNN's packed weights (about 20 us a call, 1.6-3x the op's time at <= 8 rows;
 # oneDNN wins from 16 rows on a 0.5B model's layers: benchmarks/RESULTS.md, "few-row op or oneDNN")
 FEW_ROWS = 64
-FEW_ROWS_PACKED = 8
+FEW_ROWS_PACKED = 8  # and for bfloat16 (AMX's GEMM wins sooner)
 
 
 class Linear(nn.Linear):
@@ -131,7 +131,7 @@ class Linear(nn.Linear):
     batch_invariant = None
     packed = None  # engine/layers/deterministic.py PackedLinear: oneDNN over weights packed once (cpu_linear)
     lora = None  # engine/lora.py LoRASlots: adapters' per-row updates, added to the output (before a reduce)
-    fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 on CPU): up to FEW_ROWS rows
+    fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32, bfloat16 on CPU): a few rows
 
     def forward(self, x):
         if self.batch_invariant is not None:
@@ -139,7 +139,7 @@ class Linear(nn.Linear):
         elif self.qweight is not None:
             y = int8_linear(x, self)
         elif self.fused_ops is not None and x.dim() == 2 and x.shape[0] <= (
-                FEW_ROWS if self.packed is None else FEW_ROWS_PACKED):
+                FEW_ROWS if self.packed is None and x.dtype == torch.float32 else FEW_ROWS_PACKED):
             y = self.fused_ops.linear(x, self.weight, self.bias)
         elif self.packed is not None:
             y = self.packed(x)

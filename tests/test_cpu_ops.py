@@ -233,12 +233,18 @@ def test_fused_layers_match_the_torch_modules(dtype):
     positions = torch.randint(0, 512, (37,))
     qkv = torch.randn(37, 8 * 32 + 2 * 4 * 32).to(dtype)
     q, k = qkv[:, :256].view(37, 8, 32), qkv[:, 256:384].view(37, 4, 32)  # strided views, as in the model
+    q0, k0 = q.clone(), k.clone()
     want_q, want_k = apply_rotary(q, k, rotary(positions, dtype))
     rotary.fused_ops = cpu_ops
     got_q, got_k = apply_rotary(q, k, rotary(positions, dtype))  # in place
     _assert_equalish(got_q, want_q, dtype)
     _assert_equalish(got_k, want_k, dtype)
     assert got_q.data_ptr() == qkv.data_ptr()
+    q2, k2 = q0.clone(), k0.clone()  # the tables in the model's dtype (a bf16 model's buffers): the same
+    rotary.to(dtype)
+    cpu_ops.rotary_(q2, k2, positions, rotary.cos, rotary.sin)
+    _assert_equalish(q2, want_q, dtype)
+    _assert_equalish(k2, want_k, dtype)
 
     # the residual add folded into the norm: residual becomes x + residual, in place
     x, residual = torch.randn(37, 96).to(dtype), torch.randn(37, 96).to(dtype)
@@ -293,6 +299,26 @@ def test_few_row_linear_matches_torch_whatever_the_rows_beside(out_features, in_
         cpu_ops.linear(torch.randn(2, in_features + 1), w, None)
 
 
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (100, 37)])
+def test_few_row_linear_in_bfloat16_is_float32_math_rounded_once(out_features, in_features):
+    """bfloat16 weights (read as they are, half the bytes) and inputs: the float32 op's result on the same
+    values, rounded to bfloat16 once at the end; a row's result the same alone as in a batch."""
+    torch.manual_seed(0)
+    w = torch.randn(out_features, in_features).bfloat16()
+    bias = torch.randn(out_features).bfloat16()
+    for weight in (w, w.t().contiguous().t()):
+        for rows in (1, 5, 9):
+            x = torch.randn(rows, in_features).bfloat16()
+            for b in (None, bias):
+                got = cpu_ops.linear(x, weight, b)
+                assert got.dtype == torch.bfloat16
+                wide = cpu_ops.linear(x.float(), weight.float(), None if b is None else b.float())
+                assert torch.equal(got, wide.bfloat16())
+                assert torch.equal(cpu_ops.linear(x[-1:], weight, b)[0], got[-1])
+    with pytest.raises(RuntimeError, match="both bfloat16"):
+        cpu_ops.linear(torch.randn(2, in_features), w, None)
+
+
 def test_float32_models_take_the_few_row_linear_below_its_limit(monkeypatch):
     """parallel.Linear with the CPU ops bound: up to FEW_ROWS rows through the op, more through torch."""
     from pagoda.engine import parallel
@@ -316,9 +342,9 @@ def _assert_equalish(got, want, dtype):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bfloat16_engine_with_cpu_ops_agrees_with_torch(checkpoint, family):
-    """bf16 weights: the C++ attention (the fused layers are bound for float32 only, where they
-    are faster than torch's) and plain torch pick the same greedy tokens, but for the rare
-    near-tie that bf16 rounding flips."""
+    """bf16 weights: the C++ attention and fused layers (norms, SiLU, rotary: bitwise transformers'; the
+    few-row linear: float32 sums rounded once) and plain torch pick the same greedy tokens, but for the
+    rare near-tie that bf16 rounding flips."""
     from pagoda.engine import LLM, SamplingParams
 
     rng = random.Random(1)
@@ -328,7 +354,7 @@ def test_bfloat16_engine_with_cpu_ops_agrees_with_torch(checkpoint, family):
     for backend in ("auto", "torch"):
         llm = LLM(checkpoint(family), dtype="bfloat16", num_kv_blocks=64, attention_backend=backend)
         norms = [m for m in llm.engine.model.modules() if type(m).__name__ == "RMSNorm"]
-        assert all(m.fused_ops is None for m in norms)
+        assert all((m.fused_ops is None) == (backend == "torch") for m in norms)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert all(len(t) == 8 for t in outs["auto"])
     first = sum(a[:4] == b[:4] for a, b in zip(outs["auto"], outs["torch"]))

@@ -153,7 +153,7 @@ def silu_and_mul(x):
 
 def rotary_(q, k, positions, cos, sin) -> None:
     # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], rotated in place;
-    # positions: [num_tokens] int64; cos, sin: [max_position, head_dim] float32
+    # positions: [num_tokens] int64; cos, sin: [max_position, head_dim] float32 or in q's dtype
     ops().rotary_(q, k, positions, cos, sin)
 
 
@@ -166,8 +166,9 @@ ROW_MAJOR_ROWS = 32  # above this many rows torch's sgemm wins for a row-major w
 
 
 def linear(x, weight, bias):
-    # x: [rows, in] float32, weight: [out, in] (row- or column-major), bias: [out] or None -> [rows, out];
-    # each weight read once per block of rows, each row's result independent of the others
+    # x: [rows, in] float32 or bfloat16, weight: [out, in] in x's dtype (row- or column-major), bias: [out]
+    # or None -> [rows, out]; each weight read once per block of rows, each row's result independent of
+    # the others
     if x.shape[0] > ROW_MAJOR_ROWS and weight.stride(1) == 1:
         return torch.nn.functional.linear(x, weight, bias)
     return ops().linear_few_rows(x, weight, bias)

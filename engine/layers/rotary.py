@@ -36,7 +36,7 @@ def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 @dataclass
 class RopeInputs:
     """What apply_rotary needs for one step's positions, computed once and shared by all layers."""
-    cos: torch.Tensor  # [num_tokens, 1, head_dim] in the model's dtype; fused: the float32 table
+    cos: torch.Tensor  # [num_tokens, 1, head_dim] in the model's dtype; fused: the [max_position, head_dim] table
     sin: torch.Tensor
     positions: torch.Tensor | None = None  # fused only: [num_tokens] int64, the op indexes the tables
     fused_ops: object = None  # pagoda's CPU ops module, when bound
@@ -44,7 +44,7 @@ class RopeInputs:
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (first half with second half), cos/sin tabled for every position."""
-    fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 models on CPU)
+    fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 and bfloat16 models on CPU)
 
     def __init__(self, hf_config, head_dim: int, max_position: int):
         super().__init__()

@@ -1,6 +1,8 @@
 // Math for pagoda's CPU ops.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -8,11 +10,14 @@
 namespace pagoda {
 
 // exp(x) in plain arithmetic, so that loops calling it vectorize (std::exp does not without
-// -ffast-math): Cephes' range reduction and polynomial, about 1 ulp; x is clamped to [-87, 88]. The
+// -ffast-math): Cephes' range reduction and polynomial, about 1 ulp; x is clamped to [-87, 80]. The
 // clamp becomes vector min/max on AVX2 only with -fno-trapping-math (setup.py and cpu_ops.py pass it):
 // without it GCC 12 leaves every loop calling this scalar there (AVX-512's masks do not need it).
+// The top is 80, not 88: GCC evaluates a caller's expression for the clamped lanes too, and SiLU's
+// g / (1 + e^88) is a subnormal, which costs Intel cores a microcode assist per vector (SiLU ran 4x
+// slower there); e^80 keeps it normal. Softmax calls it with x <= 0; SiLU below g = -80 is ~0 either way.
 inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
+  x = std::min(std::max(x, -87.0f), 80.0f);
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
   x -= n * 0.693359375f;
   x -= n * -2.12194440e-4f;
@@ -27,6 +32,21 @@ inline float exp_approx(float x) {
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return y * two_n;
+}
+
+// float -> T as static_cast<T> rounds it; for bfloat16 c10's round-to-nearest-even (NaN -> 0x7fc0) in
+// plain integer arithmetic, so that loops storing bfloat16 vectorize (c10's conversion does not).
+template <typename T>
+inline T round_to(float f) {
+  return static_cast<T>(f);
+}
+
+template <>
+inline c10::BFloat16 round_to<c10::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(f != f ? 0x7fc0u : rounded), c10::BFloat16::from_bits());
 }
 
 }  // namespace pagoda

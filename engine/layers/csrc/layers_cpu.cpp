@@ -1,6 +1,7 @@
 // Fused element-wise layers for the CPU: each is one pass over its rows where torch would run
 // five to ten ops, each allocating and reading its input again. Rounding follows transformers'
-// modules: math in float32, results rounded to the tensor's dtype where they round theirs.
+// modules: math in float32, results rounded to the tensor's dtype where they round theirs (round_to:
+// the same rounding as a cast, in arithmetic that vectorizes for bfloat16).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -16,6 +17,8 @@
 
 namespace {
 
+using pagoda::round_to;
+
 // rows per thread: at least ~32k elements, below which a parallel region costs more than it saves
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
 
@@ -29,7 +32,7 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* w, int64_t rows, in
       if (residual != nullptr) {
         T* rr = residual + r * dim;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) rr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+        for (int64_t i = 0; i < dim; ++i) rr[i] = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
         xr = rr;
       }
       float ss = 0.f;
@@ -39,7 +42,7 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* w, int64_t rows, in
       T* o = out + r * dim;
 #pragma omp simd
       for (int64_t i = 0; i < dim; ++i)
-        o[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
+        o[i] = round_to<T>(static_cast<float>(w[i]) * static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inv)));
     }
   });
 }
@@ -84,8 +87,8 @@ void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d) {
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) {
         const float g = static_cast<float>(gate[i]);
-        const T act = static_cast<T>(g / (1.f + pagoda::exp_approx(-g)));
-        o[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[i]));
+        const T act = round_to<T>(g / (1.f + pagoda::exp_approx(-g)));
+        o[i] = round_to<T>(static_cast<float>(act) * static_cast<float>(up[i]));
       }
     }
   });
@@ -107,38 +110,49 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 
 // In place, neox style (first half of each head rotated with the second half):
 // x: [num_tokens, num_heads, head_dim] (last dim contiguous), for q and then k;
-// cos, sin: [max_position, head_dim] float32 tables; positions: [num_tokens] int64.
+// cos, sin: [max_position, head_dim] tables (float32, or x's dtype); positions: [num_tokens] int64.
+template <typename T, typename C>
+void rotary_rows(T* xp, const C* cp, const C* sp, const int64_t* pos, int64_t tokens, int64_t heads, int64_t dim,
+                 int64_t tok_stride, int64_t head_stride) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, grain(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const C *c = cp + pos[t] * dim, *s = sp + pos[t] * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = xp + t * tok_stride + h * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          // transformers: x * cos + rotate_half(x) * sin, the tables and each product rounded to x's dtype
+          const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
+          const T c1 = round_to<T>(static_cast<float>(c[i])), s1 = round_to<T>(static_cast<float>(s[i]));
+          const T c2 = round_to<T>(static_cast<float>(c[i + half])), s2 = round_to<T>(static_cast<float>(s[i + half]));
+          const T a1 = round_to<T>(x1 * static_cast<float>(c1));
+          const T b1 = round_to<T>(-x2 * static_cast<float>(s1));
+          const T a2 = round_to<T>(x2 * static_cast<float>(c2));
+          const T b2 = round_to<T>(x1 * static_cast<float>(s2));
+          v[i] = round_to<T>(static_cast<float>(a1) + static_cast<float>(b1));
+          v[i + half] = round_to<T>(static_cast<float>(a2) + static_cast<float>(b2));
+        }
+      }
+    }
+  });
+}
+
 void rotary_one(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "q and k must be [num_tokens, num_heads, head_dim]");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  const int64_t tok_stride = x.stride(0), head_stride = x.stride(1);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat || cos.scalar_type() == x.scalar_type(),
+              "cos and sin must be float32 or in q's dtype");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   const int64_t max_pos = cos.size(0);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " is outside the rotary table");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, tokens, grain(heads * dim), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const float *c = cp + pos[t] * dim, *s = sp + pos[t] * dim;
-        for (int64_t h = 0; h < heads; ++h) {
-          scalar_t* v = xp + t * tok_stride + h * head_stride;
-          for (int64_t i = 0; i < half; ++i) {
-            // transformers: x * cos + rotate_half(x) * sin, each product rounded to x's dtype
-            const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
-            const scalar_t c1 = static_cast<scalar_t>(c[i]), s1 = static_cast<scalar_t>(s[i]);
-            const scalar_t c2 = static_cast<scalar_t>(c[i + half]), s2 = static_cast<scalar_t>(s[i + half]);
-            const scalar_t a1 = static_cast<scalar_t>(x1 * static_cast<float>(c1));
-            const scalar_t b1 = static_cast<scalar_t>(-x2 * static_cast<float>(s1));
-            const scalar_t a2 = static_cast<scalar_t>(x2 * static_cast<float>(c2));
-            const scalar_t b2 = static_cast<scalar_t>(x1 * static_cast<float>(s2));
-            v[i] = static_cast<scalar_t>(static_cast<float>(a1) + static_cast<float>(b1));
-            v[i + half] = static_cast<scalar_t>(static_cast<float>(a2) + static_cast<float>(b2));
-          }
-        }
-      }
-    });
+    if (cos.scalar_type() == at::kFloat)
+      rotary_rows(x.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), pos, tokens, heads, dim,
+                  x.stride(0), x.stride(1));
+    else
+      rotary_rows(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), pos, tokens, heads, dim,
+                  x.stride(0), x.stride(1));
   });
 }
 
@@ -146,9 +160,9 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at
              const at::Tensor& sin) {
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 1,
               "positions must be a contiguous int64 vector");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2,
-              "cos and sin must be contiguous float32 [max_position, head_dim] tables");
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type() && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == sin.sizes() && cos.dim() == 2,
+              "cos and sin must be contiguous [max_position, head_dim] tables of one dtype");
   TORCH_CHECK(q.size(0) == positions.size(0) && k.size(0) == positions.size(0), "a position per token");
   TORCH_CHECK(q.size(2) == cos.size(1) && k.size(2) == cos.size(1) && cos.size(1) % 2 == 0,
               "head_dim must match the tables and be even");

@@ -4,6 +4,8 @@
 // cost about what one does while the weights come from memory. Each output is the same sequence of
 // fused multiply-adds over the input whatever the number of rows, so a row's result does not depend
 // on the rows beside it (speculation verifies with the logits a plain decode step would compute).
+// Weights may be bfloat16 (widened in registers: half the bytes read for the memory-bound decode);
+// the inputs and the accumulators are float32, the result rounded to the input's dtype.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -21,18 +23,18 @@ constexpr int kMaxRows = 8;  // rows per block (the accumulators of a block stay
 constexpr int64_t kPrefetchRows = 16;  // a column-major tile asks for its weights this many inputs ahead
 // a column-major weight this large comes from memory, not cache: streams; below it, register tiles
 // (several rows of a cached weight: the streams' loads and stores of y would cost more than the reads)
-constexpr int64_t kStreamWeights = 1 << 19;  // floats (2 MB)
+constexpr int64_t kStreamBytes = 2 << 20;
 
 // Column-major weight, a weight that fits in cache: a tile of NV vectors of outputs for M rows in
 // registers; acc[m][j] += x[m][k] * wt[k][o + j * kW + lane], k ascending.
-template <int M, int NV>
-void tile_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
+template <int M, int NV, typename W>
+void tile_t(const float* x, int64_t ldx, const W* wt, const float* bias, float* y, int64_t ldy, int64_t K,
             int64_t O, int64_t o) {
   vec acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < NV; ++j) acc[m][j] = vec{} + 0.f;
   for (int64_t k = 0; k < K; ++k) {
-    const float* w = wt + k * O + o;
+    const W* w = wt + k * O + o;
     // the tile's rows of weights are O floats apart: too far for the hardware prefetcher to follow
     for (int j = 0; j < NV; ++j) __builtin_prefetch(w + kPrefetchRows * O + j * kW);
     vec wv[NV];
@@ -53,8 +55,8 @@ void tile_t(const float* x, int64_t ldx, const float* wt, const float* bias, flo
 // hardware prefetchers follow (register tiles that read a short piece of every row of wt in turn ran
 // at half the memory's bandwidth on an Intel Xeon). Each output is one chain of fused multiply-adds,
 // k ascending from 0, whatever M.
-template <int M>
-void stream_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
+template <int M, typename W>
+void stream_t(const float* x, int64_t ldx, const W* wt, const float* bias, float* y, int64_t ldy, int64_t K,
               int64_t O, int64_t o, int64_t width) {
   constexpr int KU = 4;
   constexpr int64_t kChunk = std::max<int64_t>(2 * kW, (32768 / (4 * M)) / kW * kW);  // M rows in 32 KB
@@ -64,7 +66,7 @@ void stream_t(const float* x, int64_t ldx, const float* wt, const float* bias, f
       for (int64_t j = 0; j < n; j += kW) store(y + m * ldy + c + j, vec{} + 0.f);
     int64_t k = 0;
     for (; k + KU <= K; k += KU) {
-      const float* w = wt + k * O + c;
+      const W* w = wt + k * O + c;
       for (int64_t j = 0; j < n; j += kW) {
         vec wv[KU];
         for (int u = 0; u < KU; ++u) wv[u] = load(w + u * O + j);
@@ -77,7 +79,7 @@ void stream_t(const float* x, int64_t ldx, const float* wt, const float* bias, f
       }
     }
     for (; k < K; ++k) {
-      const float* w = wt + k * O + c;
+      const W* w = wt + k * O + c;
       for (int64_t j = 0; j < n; j += kW) {
         const vec wv = load(w + j);
         for (int m = 0; m < M; ++m) {
@@ -93,12 +95,12 @@ void stream_t(const float* x, int64_t ldx, const float* wt, const float* bias, f
 }
 
 // outputs [o, o + width) of M rows, column-major weight: vector streams or tiles, then one column at a time
-template <int M>
-void columns_t(const float* x, int64_t ldx, const float* wt, const float* bias, float* y, int64_t ldy, int64_t K,
+template <int M, typename W>
+void columns_t(const float* x, int64_t ldx, const W* wt, const float* bias, float* y, int64_t ldy, int64_t K,
                int64_t O, int64_t o, int64_t width) {
   constexpr int NV = std::max(1, std::min(8, (kRegs - 2) / (M + 1)));
   const int64_t end = o + width;
-  if (K * O >= kStreamWeights) {
+  if (K * O * static_cast<int64_t>(sizeof(W)) >= kStreamBytes) {
     const int64_t vectors = width / kW * kW;
     stream_t<M>(x, ldx, wt, bias, y, ldy, K, O, o, vectors);
     o += vectors;
@@ -109,22 +111,23 @@ void columns_t(const float* x, int64_t ldx, const float* wt, const float* bias, 
   for (; o < end; ++o)
     for (int m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s = __builtin_fmaf(x[m * ldx + k], wt[k * O + o], s);
+      for (int64_t k = 0; k < K; ++k) s = __builtin_fmaf(x[m * ldx + k], static_cast<float>(wt[k * O + o]), s);
       y[m * ldy + o] = bias != nullptr ? s + bias[o] : s;
     }
 }
 
 // Row-major weight (w: [O, K], a tied LM head's): R outputs for M rows at once, each a dot product:
 // lanes accumulate k ascending (k = lane mod kW), then the lanes are summed in order, then the tail.
-template <int M, int R>
-void tile_n(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy, int64_t K,
+template <int M, int R, typename W>
+void tile_n(const float* x, int64_t ldx, const W* w, const float* bias, float* y, int64_t ldy, int64_t K,
             int64_t o) {
   vec acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = vec{} + 0.f;
   const int64_t body = K - K % kW;
   for (int64_t k = 0; k < body; k += kW) {
-    for (int r = 0; r < R; ++r) __builtin_prefetch(w + (o + r) * K + k + 4 * kW);
+    // the same distance in bytes for either weight type (4 float vectors ahead)
+    for (int r = 0; r < R; ++r) __builtin_prefetch(w + (o + r) * K + k + 4 * kW * 4 / sizeof(W));
     vec wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load(w + (o + r) * K + k);
     for (int m = 0; m < M; ++m) {
@@ -136,13 +139,13 @@ void tile_n(const float* x, int64_t ldx, const float* w, const float* bias, floa
     for (int r = 0; r < R; ++r) {
       float s = 0.f;
       for (int l = 0; l < kW; ++l) s += acc[m][r][l];
-      for (int64_t k = body; k < K; ++k) s = __builtin_fmaf(x[m * ldx + k], w[(o + r) * K + k], s);
+      for (int64_t k = body; k < K; ++k) s = __builtin_fmaf(x[m * ldx + k], static_cast<float>(w[(o + r) * K + k]), s);
       y[m * ldy + o + r] = bias != nullptr ? s + bias[o + r] : s;
     }
 }
 
-template <int M>
-void columns_n(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy, int64_t K,
+template <int M, typename W>
+void columns_n(const float* x, int64_t ldx, const W* w, const float* bias, float* y, int64_t ldy, int64_t K,
                int64_t O, int64_t o, int64_t width) {
   constexpr int R = std::max(1, std::min(8, (kRegs - 1 - M) / (M + 1)));
   const int64_t end = o + width;
@@ -150,8 +153,8 @@ void columns_n(const float* x, int64_t ldx, const float* w, const float* bias, f
   for (; o < end; ++o) tile_n<M, 1>(x, ldx, w, bias, y, ldy, K, o);
 }
 
-template <bool T>
-void block(int rows, const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t ldy, int64_t K,
+template <bool T, typename W>
+void block(int rows, const float* x, int64_t ldx, const W* w, const float* bias, float* y, int64_t ldy, int64_t K,
            int64_t O, int64_t o, int64_t width) {
 #define PAGODA_ROWS(M)                                                        \
   case M:                                                                     \
@@ -165,25 +168,8 @@ void block(int rows, const float* x, int64_t ldx, const float* w, const float* b
 #undef PAGODA_ROWS
 }
 
-// x: [M, K] float32; weight: [O, K] float32, column-major (weight.t() contiguous) or row-major; bias: [O]
-// or none -> x @ weight.T + bias: [M, O]. Threads split the outputs; each runs every row block over its
-// outputs (a block's weights are then in cache for the next block).
-at::Tensor linear_few_rows(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x must be [M, K], weight [O, K]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "float32 only");
-  const int64_t M = x.size(0), K = x.size(1), O = weight.size(0);
-  const bool col_major = weight.stride(0) == 1 && weight.stride(1) == O;
-  TORCH_CHECK(col_major || weight.is_contiguous(), "weight must be row- or column-major");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == O, "bias must be [O]");
-    b = bias->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({M, O}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <typename W>
+void few_rows(const float* xp, const W* wp, const float* b, float* yp, int64_t M, int64_t K, int64_t O, bool col_major) {
   // outputs per task: a multiple of 8 vectors, and at least ~64k weights (below that a parallel region
   // costs more than it saves)
   const int64_t quantum = 8 * kW;
@@ -196,7 +182,33 @@ at::Tensor linear_few_rows(const at::Tensor& x_in, const at::Tensor& weight, con
       else block<false>(rows, xp + r * K, K, wp, b, yp + r * O, O, K, O, o, width);
     }
   });
-  return y;
+}
+
+// x: [M, K] float32 or bfloat16; weight: [O, K] in x's dtype, column-major (weight.t() contiguous) or
+// row-major; bias: [O] or none -> x @ weight.T + bias: [M, O] in x's dtype, accumulated in float32.
+// Threads split the outputs; each runs every row block over its outputs (a block's weights are then in
+// cache for the next block).
+at::Tensor linear_few_rows(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2 && x_in.size(1) == weight.size(1), "x must be [M, K], weight [O, K]");
+  const auto dtype = x_in.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
+              "x and weight must both be float32 or both bfloat16");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();  // no copy for a contiguous float32 x
+  const int64_t M = x.size(0), K = x.size(1), O = weight.size(0);
+  const bool col_major = weight.stride(0) == 1 && weight.stride(1) == O;
+  TORCH_CHECK(col_major || weight.is_contiguous(), "weight must be row- or column-major");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->numel() == O, "bias must be [O] in x's dtype");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, O}, x.options());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat)
+    few_rows(x.data_ptr<float>(), weight.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, O, col_major);
+  else
+    few_rows(x.data_ptr<float>(), weight.data_ptr<c10::BFloat16>(), bp, y.data_ptr<float>(), M, K, O, col_major);
+  return y.to(dtype);
 }
 
 }  // namespace
