@@ -170,24 +170,28 @@ class VLLMServer:
         self.proc = subprocess.Popen([python, "-c", SERVE_DRIVER, json.dumps(argv)], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=vllm_env(venv, threads), cwd="/",
                                      start_new_session=True)
-        deadline = t0 + timeout
+        try:
+            self._wait_healthy(httpx, t0 + timeout, timeout)
+        except BaseException:  # also SIGTERM's SystemExit or ^C while it starts: stop it on the way out
+            self.close()
+            raise
+        self.startup_s = time.monotonic() - t0
+        log(f"vllm serve ready in {self.startup_s:.1f} s at {self.url} (its log: {log_path})")
+
+    def _wait_healthy(self, httpx, deadline: float, timeout: float) -> None:
         while True:
             if self.proc.poll() is not None:
-                self.close()
-                with open(log_path) as f:
+                with open(self.log_path) as f:
                     raise RuntimeError(f"vllm serve exited (code {self.proc.returncode}); its log ends:\n"
                                        f"{f.read()[-4000:]}")
             if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"vllm serve did not answer /health in {timeout:.0f} s; its log: {log_path}")
+                raise RuntimeError(f"vllm serve did not answer /health in {timeout:.0f} s; its log: {self.log_path}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        self.startup_s = time.monotonic() - t0
-        log(f"vllm serve ready in {self.startup_s:.1f} s at {self.url} (its log: {log_path})")
 
     def close(self) -> None:
         if self.proc.poll() is None:
