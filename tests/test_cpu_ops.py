@@ -72,6 +72,19 @@ def test_decode_attention_matches_torch(dtype, head_dim, num_heads, num_kv_heads
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def test_peaked_attention_matches_torch():
+    """Scores hundreds apart (an attention sink): weights below e^-80 of the row's max are flushed to 0
+    (subnormal products cost Intel cores a microcode assist each), which no float32 output can show."""
+    context_lens = [40, 70]
+    (k, v), (k_ops, v_ops) = _cache(16, 16, 2, 64, torch.float32)
+    tables = _tables(context_lens, 16, 16)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    q = torch.randn(2, 4, 64) * 100
+    got = cpu_attention.decode_attention(q, k_ops, v_ops, tables, lens, 64 ** -0.5)
+    want = ref.decode_attention(q, k, v, tables, lens, 64 ** -0.5)
+    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+
+
 @pytest.mark.parametrize("min_work", [0, 1 << 40], ids=["split-over-threads", "one-thread"])
 def test_small_calls_run_on_one_thread_with_the_same_result(min_work):
     """Calls below the work threshold run on one thread (a single stream's decode); both ways agree."""

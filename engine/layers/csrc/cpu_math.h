@@ -10,14 +10,17 @@
 namespace pagoda {
 
 // exp(x) in plain arithmetic, so that loops calling it vectorize (std::exp does not without
-// -ffast-math): Cephes' range reduction and polynomial, about 1 ulp; x is clamped to [-87, 80]. The
+// -ffast-math): Cephes' range reduction and polynomial, about 1 ulp; x is clamped to [-80, 80]. The
 // clamp becomes vector min/max on AVX2 only with -fno-trapping-math (setup.py and cpu_ops.py pass it):
 // without it GCC 12 leaves every loop calling this scalar there (AVX-512's masks do not need it).
-// The top is 80, not 88: GCC evaluates a caller's expression for the clamped lanes too, and SiLU's
-// g / (1 + e^88) is a subnormal, which costs Intel cores a microcode assist per vector (SiLU ran 4x
-// slower there); e^80 keeps it normal. Softmax calls it with x <= 0; SiLU below g = -80 is ~0 either way.
+// Not [-87, 88], float's own range: a subnormal costs an Intel core a microcode assist per vector (AMD's
+// do not). GCC evaluates a caller's expression for the clamped lanes too, and SiLU's g / (1 + e^88) is
+// one (SiLU ran 4x slower); y * 2^-126 near the bottom can be one, and so are softmax weights of e^-87
+// times small values (kEmin: softmax flushes weights below e^-80 to 0). SiLU beyond |g| = 80 is the
+// same either way; a softmax weight below e^-80 is under a float's precision beside the row's max (1).
+constexpr float kEmin = -80.0f;
 inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 80.0f);
+  x = std::min(std::max(x, kEmin), 80.0f);
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
   x -= n * 0.693359375f;
   x -= n * -2.12194440e-4f;

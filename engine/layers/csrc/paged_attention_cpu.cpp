@@ -173,7 +173,8 @@ inline float softmax_unnormalized(float* row, int64_t n, int64_t padded) {
   for (int64_t j = 0; j < padded; j += 16)
 #pragma omp simd
     for (int64_t l = 0; l < 16; ++l) {
-      const float e = j + l < n ? pagoda::exp_approx(row[j + l] - mx) : 0.f;
+      const float d = row[j + l] - mx;  // weights below e^kEmin are 0: no subnormal products with V
+      const float e = j + l < n && d >= pagoda::kEmin ? pagoda::exp_approx(d) : 0.f;
       row[j + l] = e;
       lanes[l] += e;
     }
