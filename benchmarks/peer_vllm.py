@@ -105,21 +105,26 @@ def vllm_env(venv: str, threads: int) -> dict:
     return env
 
 
+def start_in_venv(venv: str, driver: str, arg, threads: int, **popen) -> subprocess.Popen:
+    """`driver` (Python source) run by vLLM's virtualenv's interpreter with `arg` as JSON, in its own session."""
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        sys.exit(f"no vLLM virtualenv at {venv} (--vllm-venv): see this script's docstring to build one")
+    return subprocess.Popen([python, "-c", driver, json.dumps(arg)], env=vllm_env(venv, threads), cwd="/",
+                            start_new_session=True, **popen)
+
+
 class VLLM:
     """vLLM's offline LLM in a process of its own (its virtualenv), driven over stdin/stdout."""
 
     def __init__(self, venv: str, model: str, dtype: str, max_model_len: int, threads: int, extra: dict,
                  log_path: str):
-        python = os.path.join(venv, "bin", "python")
-        if not os.path.exists(python):
-            sys.exit(f"no vLLM virtualenv at {venv} (--vllm-venv): see this script's docstring to build one")
         spec = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "extra": extra}
         self.log_path = log_path
         self.log = open(log_path, "w")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([python, "-c", DRIVER, json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=vllm_env(venv, threads), cwd="/", start_new_session=True)
+        self.proc = start_in_venv(venv, DRIVER, spec, threads, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self.log, text=True)
         ready = self._read(READY)
         self.startup_s, self.dtype = time.monotonic() - t0, ready["dtype"]
         log(f"vLLM ready in {self.startup_s:.1f} s ({self.dtype}; its log: {log_path})")
@@ -158,18 +163,13 @@ class VLLMServer:
     def __init__(self, venv: str, model: str, dtype: str, max_model_len: int, threads: int, log_path: str,
                  timeout: float):
         import httpx
-        python = os.path.join(venv, "bin", "python")
-        if not os.path.exists(python):
-            sys.exit(f"no vLLM virtualenv at {venv} (--vllm-venv): see this script's docstring to build one")
         port = serving.free_port()
         argv = [model, "--dtype", dtype, "--no-enable-prefix-caching", "--max-model-len", str(max_model_len),
                 "--host", "127.0.0.1", "--port", str(port), "--seed", "0", "--disable-uvicorn-access-log"]
         self.url, self.log_path = f"http://127.0.0.1:{port}", log_path
         self.log = open(log_path, "w")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([python, "-c", SERVE_DRIVER, json.dumps(argv)], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=vllm_env(venv, threads), cwd="/",
-                                     start_new_session=True)
+        self.proc = start_in_venv(venv, SERVE_DRIVER, argv, threads, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             self._wait_healthy(httpx, t0 + timeout, timeout)
         except BaseException:  # also SIGTERM's SystemExit or ^C while it starts: stop it on the way out
