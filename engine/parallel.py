@@ -120,7 +120,7 @@ def _mark(layer: nn.Module, dim: int, parts: dict) -> nn.Module:
 # and rather than oneDNN's packed weights (about 20 us a call, 1.6-3x the op's time at <= 8 rows;
 # oneDNN wins from 16 rows on a 0.5B model's layers: benchmarks/RESULTS.md, "few-row op or oneDNN")
 FEW_ROWS = 64
-FEW_ROWS_PACKED = 8  # and for bfloat16 (AMX's GEMM wins sooner)
+FEW_ROWS_PACKED = 8  # and for bfloat16 whatever the packing (not measured against AMX: kept low)
 
 
 class Linear(nn.Linear):
