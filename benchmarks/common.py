@@ -239,14 +239,33 @@ def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float
     return sum(1 for x, y in zip(a, b) if x[:prefix] == y[:prefix]) / max(1, len(a))
 
 
-SETTLE_S = 0.5  # > libiomp5's KMP_BLOCKTIME (200 ms) and libgomp's spin (~0.3 s at 1e9 / s)
+SETTLE_WINDOW_S = 0.2
+SETTLE_IDLE_CORES = 0.2  # the machine counts as settled below this many busy cores over one window
+SETTLE_MAX_S = 5.0
+
+
+def busy_ticks() -> int:
+    """Clock ticks every CPU of this machine has spent busy since boot (Linux /proc/stat; steal not counted)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+    return user + nice + system + irq + softirq
 
 
 def settle() -> None:
-    """A pause before a timed call: a side's OpenMP threads go on spinning for a while after its call
-    returns (vLLM's libiomp5 for 200 ms by default), and the next side's call would share the cores
-    with them (pagoda's 1-token call measured 1.1 s right after vLLM's, 0.18 s alone)."""
-    time.sleep(SETTLE_S)
+    """A pause before a timed call, until the machine's CPUs go quiet (at most SETTLE_MAX_S): a side's
+    threads go on spinning after its call returns, and the next side's call would share the cores with them.
+    vLLM's CPU processes spin about one core for ~1 s after each call (measured on /proc: 11 ticks per 100 ms
+    until 1.0 s after the call); a fixed 0.5 s pause let pagoda's 128-token prompt take 1.16 s after vLLM's
+    call against 0.46 s alone. On a machine shared with other work this waits SETTLE_MAX_S each time."""
+    hz = os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + SETTLE_MAX_S
+    last = busy_ticks()
+    while time.monotonic() < deadline:
+        time.sleep(SETTLE_WINDOW_S)
+        now = busy_ticks()
+        if now - last < SETTLE_IDLE_CORES * SETTLE_WINDOW_S * hz:
+            return
+        last = now
 
 
 def bench_batch(sides: dict, runs, log) -> dict:
