@@ -124,7 +124,8 @@ def main(argv=None) -> int:
             for c in conditions:
                 busy = busy_loop(args.busy_core) if c == "busy" else None
                 try:
-                    for v in variants:
+                    for v in (variants if i % 2 == 0 else variants[::-1]):  # each goes first in turn
+                        common.settle()
                         elapsed, tokens = v.run(workload)
                         tok_s[v.name, c].append(out_tokens / elapsed)
                         first.setdefault(v.name, tokens)
@@ -166,7 +167,7 @@ def report(args, path, variants, conditions, tok_s, first, workload) -> str:
             if "busy" in conditions else "")
     return (f"Model {model}; {len(workload)} requests at once, prompts {args.input_len[0]}..{args.input_len[1]} "
             f"tokens, {args.output_len[0]}..{args.output_len[1]} new tokens, greedy, EOS ignored, prefix caching "
-            f"off; threads {args.threads or 'default'}; each variant in its own process, runs alternate, "
+            f"off; threads {args.threads or 'default'}; each variant in its own process, runs alternate (the first to run in a round alternates too; a settle pause before each), "
             f"{args.repeats} rounds.{busy}\n\n" + common.markdown_table(headers, rows)
             + f"\n\nFirst run's tokens identical to {base}'s: {same} of {len(variants) - 1} variant(s).\n")
 
