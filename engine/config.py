@@ -7,12 +7,12 @@ QUANTIZATIONS = ("int8",)  # weight-only int8 on CPU (engine/layers/quantization
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 CPU_KV_CACHE_GB = 1.0
-# Tokens per step by default. On CPU 2048 (benchmarks/RESULTS.md, 2026-11-28, Intel Xeon: offline 1.11x
-# 512 on the tiny model, 1.1-1.5x on the Qwen2.5-0.5B shape in every alternating round, and a burst of
-# prompts gets its first tokens sooner, served); a step of many thousand tokens spills its activations out
-# of the caches (8192 measured ~25% slower end to end than 512 on the tiny model), and a longer step
-# holds the running streams' next token longer (a smaller budget trades throughput for steadier ITL).
-MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+# Tokens per step by default. On CPU a step of many thousand tokens spills its activations out of
+# the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model). 2048 measured
+# faster still (benchmarks/RESULTS.md 2026-11-28) but is not the default yet: oneDNN keeps a primitive per
+# distinct row count, so a server's memory grows with the variety of step sizes (tests/test_hardening_load.py:
+# ~32 MB a round at 2048, ~20 at 512, ~1 with --cpu-linear mkl); bucketing the rows first.
+MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 CPU_LINEARS = ("onednn", "mkl")
 SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/speculative.py)
 
@@ -88,7 +88,7 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # explicit KV budget; default CPU 1 GiB, CUDA a fraction
     gpu_memory_utilization: float = 0.9  # fraction of free CUDA memory for KV after the weights
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # per step; default 8192 on CUDA, 2048 on CPU
+    max_num_batched_tokens: int | None = None  # per step; default 8192 on CUDA, 512 on CPU (caches)
     max_model_len: int | None = None  # default: the checkpoint's context length
     seed: int = 0
     attention_backend: str = "auto"  # auto: triton on CUDA, the C++ op (cpu) on CPU; torch: SDPA anywhere

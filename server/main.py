@@ -114,7 +114,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     opt("--num-kv-blocks", "NUM_KV_BLOCKS", "KV cache blocks (default: from the memory budget)", type=int)
     opt("--max-num-seqs", "MAX_NUM_SEQS", "most requests running at once (default: 256)", type=int, default=256)
     opt("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS",
-        "most tokens per engine step (default: 8192 on CUDA, 2048 on CPU)", type=int)
+        "most tokens per engine step (default: 8192 on CUDA, 512 on CPU)", type=int)
     opt("--max-model-len", "MAX_MODEL_LEN", "context length (default: the checkpoint's)", type=int)
     opt("--max-queue-len", "MAX_QUEUE_LEN", "most waiting requests; more get RESOURCE_EXHAUSTED (default: 1024)",
         type=int, default=1024)
