@@ -8,10 +8,11 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 CPU_KV_CACHE_GB = 1.0
 # Tokens per step by default. On CPU a step of many thousand tokens spills its activations out of
-# the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model). 2048 measured
-# faster still (benchmarks/RESULTS.md 2026-11-28) but is not the default yet: oneDNN keeps a primitive per
-# distinct row count, so a server's memory grows with the variety of step sizes (tests/test_hardening_load.py:
-# ~32 MB a round at 2048, ~20 at 512, ~1 with --cpu-linear mkl); bucketing the rows first.
+# the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model). 2048
+# measured 0.91-1.5x of 512 on a noisy VM (benchmarks/RESULTS.md 2026-11-28): not the default yet. oneDNN
+# keeps a primitive per row count it sees, so PackedLinear pads a call's rows to one of a few sizes
+# (deterministic.padded_rows): unpadded, a server's memory grew ~32 MB a load round at 2048, ~20 at 512
+# (tests/test_hardening_load.py); padded, ~20 MB in its first round, then flat.
 MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 CPU_LINEARS = ("onednn", "mkl")
 SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/speculative.py)

@@ -116,6 +116,24 @@ def test_linear_rows_alike_in_calls_of_any_size():
         assert deterministic.rows_agree(lin, 80, dtype, deterministic.BUCKETS)
 
 
+def test_packed_linear_pads_rows_to_a_few_sizes():
+    # oneDNN keeps a primitive per row count: a server's steps of every size up to its budget must map
+    # to a few, and padding must not change a row's result or leak into the output's shape
+    sizes = {deterministic.padded_rows(m) for m in range(deterministic.ONE_THREAD_ROWS + 1, 2049)}
+    assert len(sizes) <= 64
+    for m in range(1, 4097):
+        p = deterministic.padded_rows(m)
+        assert m <= p <= max(m + 3, m * 9 // 8), m
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    lin = deterministic.PackedLinear(w, b)
+    x = torch.randn(300, 40, generator=g)
+    for m in (1, 8, 9, 13, 33, 257, 300):
+        y = lin(x[:m])
+        assert y.shape == (m, 48)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x[:m], w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_tokens_alike_as_prefill_or_decode():
     from pagoda.engine.layers.cpu_attention import cache_views, ops
     g = torch.Generator().manual_seed(0)

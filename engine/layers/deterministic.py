@@ -63,6 +63,18 @@ def check(config, device: torch.device, hf_config=None, architecture: str | None
         raise ValueError(f"deterministic mode: {why}")
 
 
+def padded_rows(m: int) -> int:
+    """The rows a PackedLinear call of m rows runs with (zero rows added): oneDNN keeps a primitive per
+    row count it has seen (about 0.3-0.5 MB each, up to its cache's 1,024), so a server whose steps
+    take every size up to its budget grew by hundreds of MB; padded, above ONE_THREAD_ROWS to a multiple
+    of 4 rows and from 32 rows to 8 sizes per doubling (at most 1/8 more rows), a shape has ~50 sizes
+    up to a 2,048-token step. oneDNN computes a row alike whatever the call's size (see BUCKETS)."""
+    if m <= ONE_THREAD_ROWS:
+        return m
+    step = 1 << max(2, m.bit_length() - 4)
+    return -(-m // step) * step
+
+
 class PackedLinear:
     """x @ W^T (+ b) through oneDNN's inner product over W packed once for this CPU. Also the default for
     CPU linear layers outside deterministic mode (EngineConfig.cpu_linear, pack_linears_): measured
@@ -75,7 +87,14 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
-        return self._run(x.contiguous())
+        m = x.shape[0]
+        size = padded_rows(m)
+        if size == m:
+            return self._run(x.contiguous())
+        padded = x.new_empty(size, x.shape[1])
+        padded[:m] = x
+        padded[m:] = 0
+        return self._run(padded)[:m]
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > ONE_THREAD_ROWS:
