@@ -14,7 +14,7 @@ CPU_KV_CACHE_GB = 1.0
 # (deterministic.padded_rows): unpadded, a server's memory grew ~32 MB a load round at 2048, ~20 at 512
 # (tests/test_hardening_load.py); padded, ~20 MB in its first round, then flat.
 MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
-CPU_LINEARS = ("onednn", "mkl")
+CPU_LINEARS = ("onednn", "onednn-only", "mkl")
 SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/speculative.py)
 
 
@@ -108,7 +108,9 @@ class EngineConfig:
     max_loras: int = 4  # adapters resident at once (a request for another waits for a free slot)
     max_lora_rank: int = 16  # the largest adapter rank accepted (slots are this wide)
     allow_lora_loading: bool = False  # adapters loaded/unloaded at run time (loading from a path is a privilege)
-    cpu_linear: str = "onednn"  # CPU linear layers: onednn (weights packed once) or mkl (torch's default GEMM)
+    # CPU linear layers: onednn (weights packed once; float32 calls of a few rows over a second copy packed in
+    # panels), onednn-only (no second copy: half the memory), or mkl (torch's default GEMM)
+    cpu_linear: str = "onednn"
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)

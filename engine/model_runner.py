@@ -78,9 +78,10 @@ class ModelRunner:
             self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device, self.checkpoint_path)
         if config.deterministic:
             deterministic.prepare_model_(model, dtype, fused)
-        elif device.type == "cpu" and not (config.cpu_linear == "onednn" and deterministic.pack_linears_(
-                model, keep_weights=fused is not None and dtype in FUSED_DTYPES)):
-            _column_major_linears(model)
+        elif device.type == "cpu":
+            second_copy = fused is not None and dtype in FUSED_DTYPES and config.cpu_linear == "onednn"
+            if not (config.cpu_linear != "mkl" and deterministic.pack_linears_(model, keep_weights=second_copy)):
+                _column_major_linears(model)
         # The CPU backend's fused norm, activation, rotary and few-row linear: float32 and bfloat16
         # (float16's conversions do not vectorise; torch's own kernels are faster there)
         if fused is not None and dtype in FUSED_DTYPES:

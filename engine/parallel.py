@@ -130,6 +130,7 @@ class Linear(nn.Linear):
     qweight = scales = None
     batch_invariant = None
     packed = None  # engine/layers/deterministic.py PackedLinear: oneDNN over weights packed once (cpu_linear)
+    panels = None  # engine/layers/cpu_ops.py PanelLinear (float32 beside `packed`): calls of a few rows
     lora = None  # engine/lora.py LoRASlots: adapters' per-row updates, added to the output (before a reduce)
     fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32, bfloat16 on CPU): a few rows
 
@@ -138,7 +139,9 @@ class Linear(nn.Linear):
             y = self.batch_invariant(x)
         elif self.qweight is not None:
             y = int8_linear(x, self)
-        elif self.fused_ops is not None and x.dim() == 2 and x.shape[0] <= (
+        elif self.panels is not None and x.dim() == 2 and x.shape[0] <= self.panels.rows:
+            y = self.panels(x)
+        elif self.fused_ops is not None and self.weight is not None and x.dim() == 2 and x.shape[0] <= (
                 FEW_ROWS if self.packed is None and x.dtype == torch.float32 else FEW_ROWS_PACKED):
             y = self.fused_ops.linear(x, self.weight, self.bias)
         elif self.packed is not None:

@@ -80,7 +80,7 @@ def _positive(text: str) -> int:
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The serve flags; each defaults to its PAGODA_* environment variable (read now, not at import)."""
-    from pagoda.engine.config import QUANTIZATIONS  # torch-free
+    from pagoda.engine.config import CPU_LINEARS, QUANTIZATIONS  # torch-free
 
     def opt(flag, env, help, **kw):
         default = _env(env, kw.pop("default", None))
@@ -108,8 +108,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "scales; CPU only: a quarter of float32's bytes to read each step); none: weights in --dtype "
         "(default: none)", default="none", choices=["none", *QUANTIZATIONS])
     opt("--device", "DEVICE", "cpu, cuda or auto (default: auto)", default="auto", choices=["auto", "cpu", "cuda"])
-    opt("--cpu-linear", "CPU_LINEAR", "CPU linear layers: onednn (weights packed once for oneDNN) or mkl "
-        "(torch's default GEMM) (default: onednn)", default="onednn", choices=["onednn", "mkl"])
+    opt("--cpu-linear", "CPU_LINEAR", "CPU linear layers: onednn (weights packed once for oneDNN; float32 "
+        "calls of a few rows over a second copy packed in panels), onednn-only (no second copy: half the "
+        "weights' memory, slower decode) or mkl (torch's default GEMM) (default: onednn)", default="onednn",
+        choices=list(CPU_LINEARS))
     opt("--block-size", "BLOCK_SIZE", "tokens per KV cache block (default: 16)", type=int, default=16)
     opt("--num-kv-blocks", "NUM_KV_BLOCKS", "KV cache blocks (default: from the memory budget)", type=int)
     opt("--max-num-seqs", "MAX_NUM_SEQS", "most requests running at once (default: 256)", type=int, default=256)

@@ -149,3 +149,11 @@ def test_ab_runs_each_variant_in_its_own_process_with_its_environment(checkpoint
 def test_ab_refuses_a_bad_variant_in_one_line():
     r = _run("ab.py", "--variant", "x={", "--variant", "y={}", "--no-results")
     assert r.returncode == 2 and "--variant must be NAME=JSON object, got 'x={'" in r.stderr
+
+
+def test_few_row_linear_per_call_times_the_three_kernels():
+    r = _run("few_row_linear.py", "--per-call", "--model-config", "tiny", "--rows", "1", "9", "--repeats", "1",
+             "--threads", "1", "--no-results")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "| rows | panels | few-row op | oneDNN packed | oneDNN / panels |" in r.stdout
+    assert r.stdout.count(" ms |") >= 2

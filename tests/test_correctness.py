@@ -70,7 +70,7 @@ def test_greedy_matches_transformers(checkpoint, family, backend):
     assert _uses_cpu_ops(llm) == (backend == "auto")
 
 
-@pytest.mark.parametrize("cpu_linear", ["onednn", "mkl"])
+@pytest.mark.parametrize("cpu_linear", ["onednn", "onednn-only", "mkl"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_greedy_matches_transformers_with_either_cpu_linear_kernel(checkpoint, family, cpu_linear):
     from pagoda.engine.layers.deterministic import PackedLinear
@@ -79,9 +79,18 @@ def test_greedy_matches_transformers_with_either_cpu_linear_kernel(checkpoint, f
     llm = _check(checkpoint(family), dict(num_kv_blocks=128, cpu_linear=cpu_linear, device="cpu"))
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     packed = [isinstance(m.packed, PackedLinear) for m in linears]
-    assert all(packed) if cpu_linear == "onednn" else not any(packed)
-    # float32 with pagoda's CPU ops: calls of a few rows run the few-row op on the weight kept beside
-    assert all(m.fused_ops is not None and m.weight is not None for m in linears)
+    assert all(packed) if cpu_linear != "mkl" else not any(packed)
+    # float32 with pagoda's CPU ops: calls of a few rows run on a second copy (onednn: panels; a tied
+    # head: its row-major weight; mkl: the column-major weight); onednn-only keeps none
+    from pagoda.engine.layers.cpu_ops import PanelLinear
+    assert all(m.fused_ops is not None for m in linears)
+    panels = [isinstance(m.panels, PanelLinear) for m in linears]
+    if cpu_linear == "onednn":
+        assert any(panels) and all(p or m.weight is not None for p, m in zip(panels, linears))
+    elif cpu_linear == "onednn-only":
+        assert not any(panels) and sum(m.weight is not None for m in linears) <= 1  # a tied head's
+    else:
+        assert not any(panels) and all(m.weight is not None for m in linears)
     embedding = next(m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Embedding))
     assert embedding.weight is not None  # a tied head's packed copy leaves the lookups their rows
 

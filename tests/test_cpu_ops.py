@@ -332,6 +332,51 @@ def test_few_row_linear_in_bfloat16_is_float32_math_rounded_once(out_features, i
         cpu_ops.linear(torch.randn(2, in_features), w, None)
 
 
+@pytest.mark.parametrize("out_features, in_features", [(512, 256), (100, 37), (7, 1100)])
+def test_panel_linear_matches_torch_and_the_few_row_op(out_features, in_features):
+    """cpu_ops.PanelLinear (float32 layers beside oneDNN's packed weights): any rows (one pass up to its
+    `rows`, blocks above), outputs not a multiple of a panel, inputs past a chunk of 1024; a row's
+    result the same bits alone as in a batch, and the few-row op's bits on the column-major weight."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    for b in (None, bias):
+        lin = cpu_ops.PanelLinear(w, b)
+        for rows in (1, 3, 8, 9, 16, lin.rows, lin.rows + 1, 2 * lin.rows + 3):
+            x = torch.randn(rows, in_features)
+            got = lin(x)
+            want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+            torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-5)
+            for i in (0, rows - 1):
+                assert torch.equal(lin(x[i:i + 1])[0], got[i])
+            if rows <= 8:
+                assert torch.equal(got, cpu_ops.linear(x, w.t().contiguous().t(), b))
+    assert lin(torch.randn(0, in_features)).shape == (0, out_features)
+    with pytest.raises(RuntimeError, match="wp must be"):
+        cpu_ops.ops().linear_panels(torch.randn(2, in_features), lin.weight, None, out_features + 64)
+
+
+def test_float32_packed_layers_take_the_panels_below_their_rows():
+    """pack_linears_ with the CPU ops: a float32 layer keeps oneDNN's copy and a panel copy (no float
+    weight); up to the panels' rows through the panels, above through oneDNN."""
+    from pagoda.engine import parallel
+    from pagoda.engine.layers import deterministic
+
+    layer = parallel.Linear(64, 48, bias=True)
+    model = torch.nn.Sequential(layer)
+    assert deterministic.pack_linears_(model, keep_weights=True) == 1
+    assert layer.weight is None and isinstance(layer.panels, cpu_ops.PanelLinear)
+    layer.fused_ops = cpu_ops
+    calls = []
+    for name in ("panels", "packed"):
+        inner = getattr(layer, name)
+        setattr(layer, name, type("Spy", (), {"rows": getattr(inner, "rows", 0),
+                                              "__call__": lambda s, x, f=inner, n=name: calls.append(n) or f(x)})())
+    with torch.no_grad():
+        layer(torch.randn(layer.panels.rows, 64))
+        layer(torch.randn(layer.panels.rows + 1, 64))
+    assert calls == ["panels", "packed"]
+
+
 def test_float32_models_take_the_few_row_linear_below_its_limit(monkeypatch):
     """parallel.Linear with the CPU ops bound: up to FEW_ROWS rows through the op, more through torch."""
     from pagoda.engine import parallel

@@ -201,9 +201,10 @@ def prepare_model_(model: torch.nn.Module, dtype: torch.dtype, fused_ops) -> Non
 
 def pack_linears_(model: torch.nn.Module, keep_weights: bool = False) -> int:
     """Every linear layer through a PackedLinear (outside deterministic mode). Its float weight is dropped
-    unless an embedding shares it or `keep_weights` (float32 with pagoda's few-row op, which runs calls of
-    up to parallel.FEW_ROWS_PACKED rows on the unpacked weight: twice the weights' memory, for 1.6-3x on
-    those calls). Layers oneDNN cannot pack (int8, float16, bf16 without AVX-512) keep torch's GEMM.
+    unless an embedding shares it; with `keep_weights` (pagoda's CPU ops bound) a second copy serves calls
+    of a few rows: float32 packed in panels (cpu_ops.PanelLinear, up to its `rows`), bfloat16 column-major
+    for the few-row op (up to parallel.FEW_ROWS_PACKED rows): twice the weights' memory, for 1.1-2x on
+    those calls. Layers oneDNN cannot pack (int8, float16, bf16 without AVX-512) keep torch's GEMM.
     Returns how many were packed."""
     from pagoda.engine import parallel
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
@@ -217,6 +218,11 @@ def pack_linears_(model: torch.nn.Module, keep_weights: bool = False) -> int:
                 continue
             if id(m.weight) in embedded:
                 pass
+            elif keep_weights and m.weight.dtype == torch.float32:  # packed in panels for calls of a few rows
+                from pagoda.engine.layers.cpu_ops import PanelLinear
+                with torch.no_grad():
+                    m.panels = PanelLinear(m.weight, m.bias)
+                m.weight = None
             elif keep_weights:  # stored transposed, the few-row op's fast layout
                 m.weight.data = m.weight.data.t().contiguous().t()
             else:

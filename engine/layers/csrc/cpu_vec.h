@@ -20,6 +20,15 @@ typedef float vec __attribute__((vector_size(kW * 4), aligned(4)));
 inline vec load(const float* p) { return *reinterpret_cast<const vec*>(p); }
 inline void store(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
 
+// every lane v (a broadcast: `vec{} + v` costs an add, which the compiler may not drop for v = -0.f)
+inline vec splat(float v) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_set1_ps(v);
+#else
+  return (vec)_mm256_set1_ps(v);
+#endif
+}
+
 // bfloat16 widened to float32 (bf16 is the high half of a float's bits)
 inline vec load(const c10::BFloat16* p) {
 #if defined(__AVX512F__)
