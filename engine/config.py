@@ -9,7 +9,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 CPU_KV_CACHE_GB = 1.0
 # Tokens per step by default. On CPU a step of many thousand tokens spills its activations out of
 # the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model). 2048
-# measured 0.91-1.5x of 512 on a noisy VM (benchmarks/RESULTS.md 2026-11-28): not the default yet. oneDNN
+# measured 0.90-1.52x of 512 on a noisy VM (benchmarks/RESULTS.md 2026-11-28): not the default. oneDNN
 # keeps a primitive per row count it sees, so PackedLinear pads a call's rows to one of a few sizes
 # (deterministic.padded_rows): unpadded, a server's memory grew ~32 MB a load round at 2048, ~20 at 512
 # (tests/test_hardening_load.py); padded, ~20 MB in its first round, then flat.
