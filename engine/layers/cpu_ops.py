@@ -176,11 +176,12 @@ def linear(x, weight, bias):
 
 class PanelLinear:
     """float32 x @ W^T (+ b) over W packed once in panels (csrc/linear_cpu.cpp linear_panels): a panel's
-    outputs k-major, one contiguous stream, with a block of up to `rows` rows in registers (28 on AVX-512).
-    Measured against oneDNN's packed weights on a Qwen2.5-0.5B layer's four linears (Xeon, AVX-512, 2
-    threads): 3.3 / 3.7 / 4.7 / 5.9 ms at 1 / 8 / 16 / 28 rows against 3.9 / 4.5 / 5.4 / 6.4; 8.3 against
-    6.8 at 32 rows (two passes), so calls above `rows` go to oneDNN. Each output is one chain of fused
-    multiply-adds, k ascending, whatever the rows beside it (as linear_few_rows computes it)."""
+    outputs k-major, one contiguous stream, with a block of up to `rows` rows in registers (28 on AVX-512,
+    12 on AVX2). A Qwen2.5-0.5B layer's four linears (benchmarks/few_row_linear.py --per-call, Xeon with
+    AVX-512, 2 threads): 3.8 / 3.9 / 4.7 / 5.8 ms at 1 / 8 / 16 / 28 rows, oneDNN's packed weights 7.6 /
+    7.6 / 4.9 / 6.2; 8.3 against 6.8 at 32 rows (two passes), so calls above `rows` go to oneDNN. Each
+    output is one chain of fused multiply-adds, k ascending, whatever the rows beside it (as
+    linear_few_rows computes it)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         width, self.rows = ops().linear_panel_shape()
