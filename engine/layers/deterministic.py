@@ -75,6 +75,14 @@ def padded_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+def zero_padded(x: torch.Tensor, size: int) -> torch.Tensor:
+    # x: [m, in] -> [size, in], a fresh buffer: x's rows, then zero rows
+    padded = x.new_empty(size, x.shape[1])
+    padded[:x.shape[0]] = x
+    padded[x.shape[0]:] = 0
+    return padded
+
+
 class PackedLinear:
     """x @ W^T (+ b) through oneDNN's inner product over W packed once for this CPU. Also the default for
     CPU linear layers outside deterministic mode (EngineConfig.cpu_linear, pack_linears_): measured
@@ -89,12 +97,7 @@ class PackedLinear:
         # x: [num_tokens, in] -> [num_tokens, out]
         m = x.shape[0]
         size = padded_rows(m)
-        if size == m:
-            return self._run(x.contiguous())
-        padded = x.new_empty(size, x.shape[1])
-        padded[:m] = x
-        padded[m:] = 0
-        return self._run(padded)[:m]
+        return self._run(x.contiguous()) if size == m else self._run(zero_padded(x, size))[:m]
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > ONE_THREAD_ROWS:
@@ -140,10 +143,7 @@ class BatchInvariantLinear(PackedLinear):
         m = x.shape[0]
         size = self.size_of[m]
         if size != m or not x.is_contiguous() or x.data_ptr() % ALIGN:
-            padded = x.new_empty(size, x.shape[1])
-            padded[:m] = x
-            padded[m:] = 0
-            x = padded
+            x = zero_padded(x, size)
         y = self._run(x)
         return y if size == m else y[:m]
 
