@@ -14,14 +14,24 @@ first, taken from the end of the sorted list):
     python benchmarks/speculative.py --streams 1 16 64 --repeats 3
     python benchmarks/speculative.py --methods draft --workloads continue --streams 1
     python benchmarks/speculative.py --target-size large --methods ngram draft --streams 1
+    python benchmarks/speculative.py --methods ngram draft --streams 1 --llamacpp
+
+--llamacpp also runs llama.cpp's llama-server (built once by benchmarks/peer_llamacpp.py) on the same
+checkpoints converted to float32 GGUF, one slot, one stream at a time, without speculation and with its
+own counterpart of each method (the draft as `--spec-type draft-simple -md`, n-gram lookup as `--spec-type ngram-simple` with
+the same n-gram size and k), alternating with pagoda's runs; its answers must have exactly the asked
+number of tokens.
 """
 import argparse
+import contextlib
 import glob
 import os
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
+import types
 
 import common
 import trained_model
@@ -68,6 +78,70 @@ def run(llm, batch: list[list[int]], new_tokens: int, clock=time.perf_counter) -
     return len(batch) * new_tokens / (clock() - t0), [o.token_ids for o in outs]
 
 
+def llamacpp_servers(stack, path: str, draft: str | None, args) -> dict:
+    """llama-server on the target (float32 GGUF, one slot) per engine of the run: "off", and each method
+    with llama.cpp's own counterpart."""
+    import peer_llamacpp as lc
+
+    bindir = lc.build_llamacpp(lc.DEFAULT_VERSION, os.cpu_count() or 2)
+    spec = {"ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                      "--spec-ngram-simple-size-m", str(args.k)]}
+    if draft is not None:
+        # the type too: a draft's type is otherwise read from its GGUF, and ours (a plain model) names none
+        spec["draft"] = ["--spec-type", "draft-simple", "-md", lc.convert(draft, "f32", lc.DEFAULT_VERSION),
+                         "--spec-draft-n-max", str(args.k), "--spec-draft-n-min", "0"]
+    model = lc.convert(path, "f32", lc.DEFAULT_VERSION)
+    logs = stack.enter_context(tempfile.TemporaryDirectory(prefix="speculative-llamacpp-"))
+    servers = {}
+    for name in ["off", *args.methods]:
+        opts = types.SimpleNamespace(port=None, parallel=1, llama_threads=args.threads or os.cpu_count(),
+                                     llamacpp_batch=2048, llamacpp_ubatch=512, llamacpp_kv="f32",
+                                     llamacpp_args=spec.get(name, []))
+        servers[name] = stack.enter_context(lc.LlamaServer(bindir, model, opts, 4096, os.path.join(logs, name)))
+    return servers
+
+
+def run_llamacpp(server, batch: list[list[int]], new_tokens: int) -> tuple[float, float | None]:
+    """One request at a time (one stream): tokens/s by wall time, and the share of its drafted tokens
+    accepted (None without drafts)."""
+    t0, drafted, accepted = time.perf_counter(), 0, 0
+    for ids in batch:
+        timings = server.complete(ids, new_tokens).get("timings", {})
+        drafted += timings.get("draft_n", 0)
+        accepted += timings.get("draft_n_accepted", 0)
+    return len(batch) * new_tokens / (time.perf_counter() - t0), accepted / drafted if drafted else None
+
+
+def measure(engines: dict, servers: dict, batch: list[list[int]], args):
+    """Each engine (and llama-server) over the batch args.repeats times, alternating: tokens/s per run,
+    pagoda's mean accepted length per run, and the share of llama.cpp's drafts accepted per run."""
+    rates = {name: [] for name in [*engines, *(f"llama.cpp {n}" for n in servers)]}
+    accepted = {m: [] for m in args.methods}
+    shares = {name: [] for name in servers}
+    for llm in engines.values():  # warm-up
+        run(llm, batch[:1], 8)
+    for server in servers.values():
+        run_llamacpp(server, batch[:1], 8)
+    for _ in range(args.repeats):
+        outputs = {}
+        for name, llm in engines.items():
+            s = llm.engine.speculator
+            before = (s.num_accepted, s.num_verifications) if s else None
+            rate, outputs[name] = run(llm, batch, args.new_tokens, CLOCKS[args.clock])
+            rates[name].append(rate)
+            if s:
+                n = s.num_verifications - before[1]
+                accepted[name].append(1 + (s.num_accepted - before[0]) / n if n else 1.0)
+        if any(outputs["off"] != outputs[m] for m in args.methods):
+            sys.exit("greedy outputs differ with speculation: a bug")
+        for name, server in servers.items():
+            rate, share = run_llamacpp(server, batch, args.new_tokens)
+            rates[f"llama.cpp {name}"].append(rate)
+            shares[name].append(share)
+    peer_rates = {name: rates.pop(f"llama.cpp {name}") for name in servers}
+    return rates, accepted, peer_rates, shares
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--train-steps", type=int, default=600, help="the trained model's steps (its cache key)")
@@ -88,66 +162,74 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", help="float32 by default (what the speculative numbers were measured in)")
     p.add_argument("--target-size", choices=["small", "large"], default="small",
                    help="the trained target: small (6 layers, hidden 256: its weights fit in the CPU's caches) or "
-                        "large (8 layers, hidden 384, ~60 MB: they do not); the same trained draft for both")
+                        "large (8 layers, hidden 384, ~60 MB: they do not), each with a draft distilled from it")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="cpu: the process's CPU time instead of wall time (with --threads 1 on a machine shared "
                         "with other work: time spent descheduled is not counted)")
+    p.add_argument("--llamacpp", action="store_true",
+                   help="also llama.cpp's llama-server on the same checkpoints at one stream, without and with its "
+                        "own speculation (see above)")
     p.add_argument("--note", default="", help="a sentence on the conditions, for RESULTS.md")
     common.add_results_args(p)
     args = common.finish_args(p.parse_args(argv))
+    if args.llamacpp and args.clock != "wall":
+        p.error("--llamacpp times llama-server by wall time: drop --clock cpu")
     from pagoda.engine import LLM
 
     if args.model or args.model_config:
         path = args.model or common.cached_checkpoint(args.model_config)
         what = f"checkpoint {args.model or args.model_config + ' (random weights)'}"
     elif args.target_size == "large":
-        path = trained_model.build_large(small_steps=args.train_steps)["target"]
+        trained = trained_model.build_large(small_steps=args.train_steps)
+        path = trained["target"]
         what = (f"larger trained target ({trained_model.LARGE_SHAPE['num_hidden_layers']} layers, hidden "
                 f"{trained_model.LARGE_SHAPE['hidden_size']}, benchmarks/trained_model.py --target-size large)")
     else:
-        path = trained_model.build(args.train_steps)["target"]
+        trained = trained_model.build(args.train_steps)
+        path = trained["target"]
         what = f"trained target ({args.train_steps} steps, benchmarks/trained_model.py)"
     draft = args.draft
     if "draft" in args.methods and draft is None:
         if args.model or args.model_config:
             sys.exit("--methods draft with --model or --model-config needs --draft PATH")
-        draft = trained_model.build(args.train_steps)["draft"]
-        what += ", its trained draft"
+        draft = trained["draft"]
+        what += ", its draft (distilled from it)"
     specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3},
              "draft": {"model": draft, "num_speculative_tokens": args.k}}
     kw = dict(dtype=args.dtype, device=args.device, enable_prefix_caching=False, num_kv_blocks=4096)
     engines = {"off": LLM(path, **kw)}
     engines.update((m, LLM(path, speculative_config=specs[m], **kw)) for m in args.methods)
     tokenizer = engines["off"].tokenizer
-    rows = []
-    for workload in args.workloads:
-        pool = prompts(tokenizer, workload, max(args.streams), args.snippet_tokens)
-        for streams in args.streams:
-            batch = (pool * streams)[:streams]
-            rates = {name: [] for name in engines}
-            accepted = {m: [] for m in args.methods}
-            for name, llm in engines.items():  # warm-up
-                run(llm, batch[:1], 8)
-            for _ in range(args.repeats):
-                outputs = {}
-                for name, llm in engines.items():
-                    s = llm.engine.speculator
-                    before = (s.num_accepted, s.num_verifications) if s else None
-                    rate, outputs[name] = run(llm, batch, args.new_tokens, CLOCKS[args.clock])
-                    rates[name].append(rate)
-                    if s:
-                        n = s.num_verifications - before[1]
-                        accepted[name].append(1 + (s.num_accepted - before[0]) / n if n else 1.0)
-                if any(outputs["off"] != outputs[m] for m in args.methods):
-                    sys.exit("greedy outputs differ with speculation: a bug")
-            off = statistics.median(rates["off"])
-            for m in args.methods:
-                on = statistics.median(rates[m])
-                rows.append([workload, streams, m, f"{off:.0f}", f"{on:.0f}", f"{on / off:.2f}x",
-                             f"{statistics.mean(accepted[m]):.2f}"])
-                print(rows[-1], flush=True)
+    rows, peer_rows = [], []
+    with contextlib.ExitStack() as stack:
+        servers = llamacpp_servers(stack, path, draft, args) if args.llamacpp else {}
+        for workload in args.workloads:
+            pool = prompts(tokenizer, workload, max(args.streams), args.snippet_tokens)
+            for streams in args.streams:
+                batch = (pool * streams)[:streams]
+                peers = servers if streams == 1 else {}
+                rates, accepted, peer_rates, shares = measure(engines, peers, batch, args)
+                off = statistics.median(rates["off"])
+                for m in args.methods:
+                    on = statistics.median(rates[m])
+                    rows.append([workload, streams, m, f"{off:.0f}", f"{on:.0f}", f"{on / off:.2f}x",
+                                 f"{statistics.mean(accepted[m]):.2f}"])
+                    print(rows[-1], flush=True)
+                    if peers:
+                        lc_off, lc_on = statistics.median(peer_rates["off"]), statistics.median(peer_rates[m])
+                        share = [x for x in shares[m] if x is not None]
+                        peer_rows.append([workload, m, f"{lc_off:.0f}", f"{lc_on:.0f}", f"{lc_on / lc_off:.2f}x",
+                                          f"{100 * statistics.mean(share):.0f}%" if share else "none drafted",
+                                          f"{off / lc_off:.2f}x", f"**{on / lc_on:.2f}x**"])
+                        print(peer_rows[-1], flush=True)
     table = common.markdown_table(["workload", "streams", "method", "off tok/s", "spec tok/s", "spec / off",
                                    "mean accepted length"], rows)
+    if peer_rows:
+        table += ("\n\nllama.cpp (llama-server, the same checkpoints in float32 GGUF, one slot, its own speculation: "
+                  "--spec-type draft-simple -md DRAFT / --spec-type ngram-simple, n 3, m k), one stream, alternating with pagoda's runs:\n\n"
+                  + common.markdown_table(["workload", "method", "llama.cpp off tok/s", "llama.cpp spec tok/s",
+                                           "llama.cpp spec / off", "llama.cpp drafts accepted",
+                                           "pagoda / llama.cpp, off", "pagoda / llama.cpp, spec"], peer_rows))
     print(table)
     if not args.no_results:
         common.append_results(

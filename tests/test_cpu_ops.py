@@ -353,6 +353,8 @@ def test_panel_linear_matches_torch_and_the_few_row_op(out_features, in_features
     assert lin(torch.randn(0, in_features)).shape == (0, out_features)
     with pytest.raises(RuntimeError, match="wp must be"):
         cpu_ops.ops().linear_panels(torch.randn(2, in_features), lin.weight, None, out_features + 64)
+    with pytest.raises(RuntimeError, match="bias must be"):  # the bias is padded once, by PanelLinear
+        cpu_ops.ops().linear_panels(torch.randn(2, in_features), lin.weight, bias[:out_features - 1], out_features)
 
 
 def test_float32_packed_layers_take_the_panels_below_their_rows():

@@ -190,7 +190,8 @@ class PanelLinear:
         padded = weight.new_zeros(n * width, k)
         padded[:out] = weight
         self.weight = padded.view(n, width, k).transpose(1, 2).contiguous()  # [panels, in, width]
-        self.bias, self.out = bias, out
+        self.bias = None if bias is None else weight.new_zeros(n * width).index_copy_(0, torch.arange(out), bias)
+        self.out = out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] float32 -> [rows, out]

@@ -255,7 +255,8 @@ constexpr std::array<PanelTile, sizeof...(Ms)> panel_tiles(std::integer_sequence
 constexpr auto kPanelTiles = panel_tiles(std::make_integer_sequence<int, kPanelRows>{});
 
 // x: [M, K] float32; wp: [ceil(O / kPanel), K, kPanel] float32 (cpu_ops.PanelLinear: zero rows past O);
-// bias: [O] or none -> [M, O]. Threads split the panels; rows go in blocks of even size up to kPanelRows.
+// bias: [ceil(O / kPanel) * kPanel] (PanelLinear: zeros past O) or none -> [M, O]. Threads split the panels;
+// rows go in blocks of even size up to kPanelRows.
 at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
                          int64_t O) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, K] float32");
@@ -264,16 +265,15 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& wp, const c10
               "wp must be [ceil(O / ", kPanel, "), K, ", kPanel, "] float32, contiguous");
   const at::Tensor x = x_in.t().contiguous();  // [K, M]: a step's inputs for every row side by side
   const int64_t M = x.size(1), K = x.size(0), panels = wp.size(0);
-  at::Tensor b;
+  const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == O, "bias must be [O] float32");
-    b = at::zeros({panels * kPanel}, x.options());
-    b.narrow(0, 0, O).copy_(*bias);
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == panels * kPanel,
+                "bias must be [ceil(O / ", kPanel, ") * ", kPanel, "] float32, contiguous, zeros past O");
+    bp = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({M, O}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* w0 = wp.data_ptr<float>();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   if (M == 0) return y;
   const int64_t blocks = (M + kPanelRows - 1) / kPanelRows;
