@@ -18,9 +18,9 @@ first, taken from the end of the sorted list):
 
 --llamacpp also runs llama.cpp's llama-server (built once by benchmarks/peer_llamacpp.py) on the same
 checkpoints converted to float32 GGUF, one slot, one stream at a time, without speculation and with its
-own counterpart of each method (the draft as `--spec-type draft-simple -md`, n-gram lookup as `--spec-type ngram-simple` with
-the same n-gram size and k), alternating with pagoda's runs; its answers must have exactly the asked
-number of tokens.
+own counterpart of each method (the draft as `--spec-type draft-simple -md`, n-gram lookup as
+`--spec-type ngram-simple` with the same n-gram size and k), alternating with pagoda's runs; its answers
+must have exactly the asked number of tokens.
 """
 import argparse
 import contextlib
