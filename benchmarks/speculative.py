@@ -225,8 +225,9 @@ def main(argv=None) -> int:
     table = common.markdown_table(["workload", "streams", "method", "off tok/s", "spec tok/s", "spec / off",
                                    "mean accepted length"], rows)
     if peer_rows:
-        table += ("\n\nllama.cpp (llama-server, the same checkpoints in float32 GGUF, one slot, its own speculation: "
-                  "--spec-type draft-simple -md DRAFT / --spec-type ngram-simple, n 3, m k), one stream, alternating with pagoda's runs:\n\n"
+        table += ("\n\nllama.cpp (llama-server, the same checkpoints in float32 GGUF, one slot, its own "
+                  "speculation: --spec-type draft-simple -md DRAFT / --spec-type ngram-simple, n 3, m k), one "
+                  "stream, alternating with pagoda's runs:\n\n"
                   + common.markdown_table(["workload", "method", "llama.cpp off tok/s", "llama.cpp spec tok/s",
                                            "llama.cpp spec / off", "llama.cpp drafts accepted",
                                            "pagoda / llama.cpp, off", "pagoda / llama.cpp, spec"], peer_rows))
