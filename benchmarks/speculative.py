@@ -115,8 +115,9 @@ def run_llamacpp(server, batch: list[list[int]], new_tokens: int) -> tuple[float
 def measure(engines: dict, servers: dict, batch: list[list[int]], args):
     """Each engine (and llama-server) over the batch args.repeats times, alternating: tokens/s per run,
     pagoda's mean accepted length per run, and the share of llama.cpp's drafts accepted per run."""
-    rates = {name: [] for name in [*engines, *(f"llama.cpp {n}" for n in servers)]}
+    rates = {name: [] for name in engines}
     accepted = {m: [] for m in args.methods}
+    peer_rates = {name: [] for name in servers}
     shares = {name: [] for name in servers}
     for llm in engines.values():  # warm-up
         run(llm, batch[:1], 8)
@@ -136,9 +137,8 @@ def measure(engines: dict, servers: dict, batch: list[list[int]], args):
             sys.exit("greedy outputs differ with speculation: a bug")
         for name, server in servers.items():
             rate, share = run_llamacpp(server, batch, args.new_tokens)
-            rates[f"llama.cpp {name}"].append(rate)
+            peer_rates[name].append(rate)
             shares[name].append(share)
-    peer_rates = {name: rates.pop(f"llama.cpp {name}") for name in servers}
     return rates, accepted, peer_rates, shares
 
 

@@ -82,9 +82,7 @@ def train(name: str, ids, steps: int, batch: int, seed: int, path: str, tokenize
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, **(shape or SHAPES[name]))
     model = LlamaForCausalLM(config)
-    teacher_path = teacher
-    if teacher is not None:
-        teacher = LlamaForCausalLM.from_pretrained(teacher).eval()
+    teacher_model = None if teacher is None else LlamaForCausalLM.from_pretrained(teacher).eval()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.05)
     g = torch.Generator().manual_seed(seed)
@@ -92,11 +90,11 @@ def train(name: str, ids, steps: int, batch: int, seed: int, path: str, tokenize
     for step in range(steps):
         starts = torch.randint(0, len(ids) - SEQ_LEN - 1, (batch,), generator=g)
         x = torch.stack([ids[s:s + SEQ_LEN] for s in starts.tolist()])  # x: [batch, seq_len]
-        if teacher is None:
+        if teacher_model is None:
             loss = model(input_ids=x, labels=x).loss
         else:
             with torch.no_grad():
-                soft = teacher(input_ids=x).logits.softmax(dim=-1)  # soft: [batch, seq_len, vocab]
+                soft = teacher_model(input_ids=x).logits.softmax(dim=-1)  # soft: [batch, seq_len, vocab]
             loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), soft.flatten(0, 1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -109,9 +107,8 @@ def train(name: str, ids, steps: int, batch: int, seed: int, path: str, tokenize
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     with open(os.path.join(path, "loss.json"), "w") as f:
-        json.dump({"steps": steps, "batch": batch, "seq_len": SEQ_LEN, "seed": seed, "teacher": teacher_path,
-                   "loss": losses,
-                   "seconds": round(time.monotonic() - t0, 1)}, f)
+        json.dump({"steps": steps, "batch": batch, "seq_len": SEQ_LEN, "seed": seed, "teacher": teacher,
+                   "loss": losses, "seconds": round(time.monotonic() - t0, 1)}, f)
     return losses
 
 

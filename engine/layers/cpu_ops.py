@@ -187,10 +187,10 @@ class PanelLinear:
         width, self.rows = ops().linear_panel_shape()
         out, k = weight.shape
         n = -(-out // width)
-        padded = weight.new_zeros(n * width, k)
-        padded[:out] = weight
+        pad = n * width - out  # zero outputs filling the last panel
+        padded = torch.nn.functional.pad(weight, (0, 0, 0, pad))
         self.weight = padded.view(n, width, k).transpose(1, 2).contiguous()  # [panels, in, width]
-        self.bias = None if bias is None else weight.new_zeros(n * width).index_copy_(0, torch.arange(out), bias)
+        self.bias = None if bias is None else torch.nn.functional.pad(bias, (0, pad))
         self.out = out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
