@@ -11,13 +11,14 @@ from pagoda.engine import parallel
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
-from pagoda.engine.layers import deterministic
+from pagoda.engine.layers import cpu_attention, deterministic
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from pagoda.engine.loader import device_of, dtype_of, load_hf_config, load_weights
 from pagoda.engine.lora import LoRAModel, step_slots
 from pagoda.engine.models import build_model
+from pagoda.engine.models.llama import LlamaDecoderLayer, fuse_decoder_layer
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.engine.sequence import Sequence
@@ -88,6 +89,10 @@ class ModelRunner:
             for m in model.modules():
                 if hasattr(type(m), "fused_ops"):
                     m.fused_ops = fused
+        if config.cpu_fused_layers and backend is cpu_attention and dtype == torch.float32:
+            for m in model.modules():
+                if isinstance(m, LlamaDecoderLayer):
+                    m.fused = fuse_decoder_layer(m, fused.ops(), backend)
 
     # LoRA adapters, on every rank (engine/workers.py Workers.call): their weights read, dropped, made resident
     def lora_add(self, name: str, path: str) -> None:

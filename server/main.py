@@ -112,6 +112,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "calls of a few rows over a second copy packed in panels), onednn-only (no second copy: half the "
         "weights' memory, slower decode) or mkl (torch's default GEMM) (default: onednn)", default="onednn",
         choices=list(CPU_LINEARS))
+    opt("--cpu-fused-layers", "CPU_FUSED_LAYERS", "float32 on CPU: a decoder layer (Llama family) of a few rows "
+        "(decode steps) as one C++ op, bitwise its ops one by one, without the Python between them (default: on)",
+        default="on", choices=["on", "off"])
     opt("--block-size", "BLOCK_SIZE", "tokens per KV cache block (default: 16)", type=int, default=16)
     opt("--num-kv-blocks", "NUM_KV_BLOCKS", "KV cache blocks (default: from the memory budget)", type=int)
     opt("--max-num-seqs", "MAX_NUM_SEQS", "most requests running at once (default: 256)", type=int, default=256)
@@ -327,6 +330,7 @@ def engine_config(args: argparse.Namespace):
         max_lora_rank=getattr(args, "max_lora_rank", 16),
         allow_lora_loading=getattr(args, "allow_lora_loading", "off") == "on",
         cpu_linear=getattr(args, "cpu_linear", "onednn"),
+        cpu_fused_layers=getattr(args, "cpu_fused_layers", "on") == "on",
     )
 
 

@@ -60,6 +60,9 @@ def _uses_cpu_ops(llm) -> bool:
     attention = [getattr(b, "__name__", "") for b in backends] == ["pagoda.engine.layers.cpu_attention"]
     # the fused layers come with it (float32; gpt2 has none)
     assert not fused or (all(fused) == attention and any(fused) == attention)
+    # and a Llama-family layer of a few rows runs as one op (float32, weights in panels)
+    layers = [m.fused is not None for m in modules if type(m).__name__ == "LlamaDecoderLayer"]
+    assert not layers or (all(layers) == attention and any(layers) == attention)
     return attention
 
 

@@ -501,3 +501,76 @@ def test_the_avx2_path_on_an_avx512_machine():
                          env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3"])
+def test_decoder_layer_op_is_bitwise_the_layer_op_by_op(checkpoint, family):
+    """csrc/decoder_layer_cpu.cpp (models/llama.py FusedDecoderLayer) against the same layer run op by op
+    from Python, on a step with decodes, a prompt chunk and a multi-token query over cached context, in
+    the first layer (no residual yet) and a later one: output, residual and KV cache all bitwise equal."""
+    from pagoda.engine import LLM, SamplingParams
+    from pagoda.engine.scheduler import SchedulerOutput
+    from pagoda.engine.sequence import BlockTable, Sequence
+
+    runner = LLM(checkpoint(family), dtype="float32", num_kv_blocks=16, block_size=4).engine.runner
+    model = runner.model
+    assert all(layer.fused is not None for layer in model.layers)
+
+    def seq(num_tokens, num_computed, blocks):
+        s = Sequence(str(blocks), list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=8))
+        s.num_computed_tokens, s.block_table = num_computed, BlockTable(blocks)
+        return s
+
+    batch = SchedulerOutput([seq(6, 5, [3, 7]), seq(3, 2, [9]), seq(10, 4, [1, 2, 5]), seq(8, 5, [4, 6])],
+                            num_new_tokens=[1, 1, 4, 3], num_sampled=[1, 1, 0, 3])
+    ids, positions, meta, _ = runner._prepare_inputs(batch)
+    torch.manual_seed(0)
+    runner.kv_cache.normal_()  # the cached context the new tokens attend to
+    with torch.inference_mode():
+        x = model.embed_tokens(ids)
+        rope = model.rotary(positions, x.dtype)
+        cache = runner.kv_cache.clone()
+        for layer, residual in ((model.layers[0], None), (model.layers[1], torch.randn_like(x))):
+            results, op = [], layer.fused
+            for fused in (op, None):
+                runner.kv_cache.copy_(cache)
+                layer.fused, res = fused, None if residual is None else residual.clone()
+                out, res = layer(rope, x.clone(), res, meta)
+                results.append((out, res, runner.kv_cache.clone()))
+            layer.fused = op
+            for got, want in zip(*results):
+                assert torch.equal(got, want)
+            assert not torch.equal(results[0][2], cache)  # the step's K/V were written
+
+
+@pytest.mark.parametrize("options", [dict(cpu_fused_layers=False), dict(attention_backend="torch"),
+                                     dict(cpu_linear="mkl"), dict(cpu_linear="onednn-only"),
+                                     dict(dtype="bfloat16"), dict(deterministic=True), dict(quantization="int8"),
+                                     dict(allow_lora_loading=True)])
+def test_decoder_layers_run_op_by_op_where_the_one_op_is_not_their_path(checkpoint, options):
+    """No panels, another attention, bfloat16, batch-invariant linears, LoRA updates, or turned off:
+    the layers keep their Python path (EngineConfig.cpu_fused_layers)."""
+    from pagoda.engine import LLM, SamplingParams
+
+    llm = LLM(checkpoint("llama"), **{"dtype": "float32", "num_kv_blocks": 16, **options})
+    assert all(layer.fused is None for layer in llm.engine.runner.model.layers)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+
+
+def test_decoder_layers_above_their_rows_run_op_by_op(checkpoint, monkeypatch):
+    """The one op serves steps of up to its rows (the panels' block); a longer step (a prompt) takes the
+    Python path, and the greedy tokens are the same with the op turned off."""
+    from pagoda.engine import LLM, SamplingParams
+
+    prompts = [list(range(3, 3 + n)) for n in (2, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(checkpoint("qwen2"), dtype="float32", num_kv_blocks=32, enable_prefix_caching=False)
+    layer = llm.engine.runner.model.layers[0]
+    rows, op = [], layer.fused
+    monkeypatch.setattr(layer, "fused", type("Spy", (), {"rows": op.rows, "__call__": lambda s, rope, x, *a: (
+        rows.append(x.shape[0]) or op(rope, x, *a))})())
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert rows and max(rows) <= op.rows  # the 42-token prefill step went op by op
+    off = LLM(checkpoint("qwen2"), dtype="float32", num_kv_blocks=32, cpu_fused_layers=False)
+    assert [o.token_ids for o in off.generate(prompts, params)] == got

@@ -23,8 +23,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp",
-                                                   "linear_cpu.cpp", "lora_cpu.cpp")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp",
+                                                   "lora_cpu.cpp", "decoder_layer_cpu.cpp")]
 # per CPU capability torch reports, so that a build cache shared between machines stays valid
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                "AVX2": ["-mavx2", "-mfma", "-mf16c"]}

@@ -85,6 +85,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    fused = None  # FusedDecoderLayer, bound by the model runner where the layer qualifies (fuse_decoder_layer)
+
     def __init__(self, cfg, **attn_options):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, **attn_options)
@@ -95,12 +97,58 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope, x, residual, meta):
         # the layer's input is x + residual (residual None: just x, the first layer); the residual
         # adds are folded into the norms that follow them
+        if self.fused is not None and x.shape[0] <= self.fused.rows:
+            return self.fused(rope, x, residual, meta)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(rope, x, meta), residual)
         return self.mlp(x), residual
+
+
+class FusedDecoderLayer:
+    """A decoder layer of up to `rows` rows as one CPU op (csrc/decoder_layer_cpu.cpp): the layer's own ops
+    in its order, so bitwise its result, without the Python between them (a one-stream decode step's
+    bookkeeping; benchmarks/RESULTS.md "one op a layer")."""
+
+    def __init__(self, layer: LlamaDecoderLayer, ops):
+        a, mlp = layer.self_attn, layer.mlp
+        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.rows = min(m.panels.rows for m in linears)
+        norm_weight = lambda norm: None if norm is None else norm.weight  # noqa: E731
+        self.weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        a.qkv_proj.panels.weight, a.qkv_proj.panels.bias, norm_weight(a.q_norm), norm_weight(a.k_norm),
+                        a.o_proj.panels.weight, a.o_proj.panels.bias, mlp.gate_up_proj.panels.weight,
+                        mlp.gate_up_proj.panels.bias, mlp.down_proj.panels.weight, mlp.down_proj.panels.bias]
+        self.sizes = [a.num_heads, a.num_kv_heads, a.head_dim, a.o_proj.panels.out, mlp.intermediate_size]
+        self.eps, self.attn, self.ops = layer.input_layernorm.eps, a.attn, ops
+
+    def __call__(self, rope, x, residual, meta: AttentionMetadata):
+        a = self.attn
+        return self.ops.decoder_layer(
+            x, residual, self.weights, self.sizes, self.eps, a.scale, rope.positions, rope.cos, rope.sin,
+            a.k_cache, a.v_cache, meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,
+            meta.decode_context_lens, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            meta.prefill_context_lens)
+
+
+def fuse_decoder_layer(layer: LlamaDecoderLayer, ops, backend) -> FusedDecoderLayer | None:
+    """The layer as one op where its own path is that op's: float32 linears packed in panels (no LoRA, int8,
+    batch-invariant mode or tensor parallelism), the CPU ops bound for norms, SiLU and rotary, attention by
+    `backend` (engine/layers/cpu_attention.py) with no prompt short enough to fit in `rows` sent to SDPA."""
+    a, mlp = layer.self_attn, layer.mlp
+    linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (a.q_norm, a.k_norm) if n]
+    if any(m.panels is None or m.lora is not None or m.qweight is not None or m.batch_invariant is not None
+           for m in linears) or a.o_proj.tp.size > 1 or mlp.down_proj.tp.size > 1:
+        return None
+    if not (mlp.is_silu and mlp.fused_ops is not None and all(n.fused_ops is not None for n in norms)
+            and len({n.eps for n in norms}) == 1 and a.attn.backend is backend):
+        return None
+    fused = FusedDecoderLayer(layer, ops)
+    least = backend.sdpa_min_tokens(a.head_dim)
+    return fused if least is None or fused.rows < least else None
 
 
 class LlamaForCausalLM(nn.Module):
