@@ -79,10 +79,13 @@ def test_peaked_attention_matches_torch():
     (k, v), (k_ops, v_ops) = _cache(16, 16, 2, 64, torch.float32)
     tables = _tables(context_lens, 16, 16)
     lens = torch.tensor(context_lens, dtype=torch.int32)
-    q = torch.randn(2, 4, 64) * 100
+    q = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(0)) * 100
     got = cpu_attention.decode_attention(q, k_ops, v_ops, tables, lens, 64 ** -0.5)
     want = ref.decode_attention(q, k, v, tables, lens, 64 ** -0.5)
-    torch.testing.assert_close(got, want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    # scores 100x the usual size carry 100x the rounding (summed in another order than torch's): two keys
+    # scoring within a few units of each other split their weight ~1e-4 differently (seen: up to 9e-5 in
+    # 300 draws, 2.7% of them past the usual 2e-5); a wrong softmax would be off by O(1)
+    torch.testing.assert_close(got, want, atol=5e-4, rtol=5e-4)
 
 
 @pytest.mark.parametrize("min_work", [0, 1 << 40], ids=["split-over-threads", "one-thread"])
