@@ -51,15 +51,21 @@ class NgramProposer:
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         ids = np.asarray(token_ids, dtype=np.int64)
         size = len(ids)
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            # windows: [size - n, n], the n-grams starting at 0 .. size - n - 1 (not the suffix itself)
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-            starts = np.flatnonzero((windows == ids[size - n:]).all(axis=1))
-            if len(starts):
-                full = starts[starts + n + k <= size]
-                s = int(full[-1] if len(full) else starts[-1]) + n
-                return ids[s:s + k].tolist()
-        return []
+        # ends: where an earlier n-gram equal to the last n tokens ends, for n = 1, 2, ... (one pass over
+        # the text for n = 1; each longer n keeps the ends whose token n - 1 back matches too)
+        ends, n = np.flatnonzero(ids[:-1] == ids[-1]), 1
+        while n < min(self.max_n, size - 1):
+            longer = ends[ends >= n]
+            longer = longer[ids[longer - n] == ids[size - 1 - n]]
+            if not len(longer):
+                break
+            ends, n = longer, n + 1
+        if not len(ends) or n < self.min_n:
+            return []
+        starts = ends - n + 1
+        full = starts[starts + n + k <= size]
+        s = int(full[-1] if len(full) else starts[-1]) + n
+        return ids[s:s + k].tolist()
 
 
 class DraftProposer:

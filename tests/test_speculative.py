@@ -287,6 +287,28 @@ def test_ngram_proposer_proposes_what_followed_the_longest_suffix():
     assert p.propose([4], 2) == []
 
 
+def test_ngram_proposer_matches_the_rule_spelled_out_on_random_text():
+    """Against the rule written plainly: the longest n (max down to min) whose last n tokens occur earlier;
+    of those occurrences the latest with k tokens after it, else the latest; what followed it."""
+    def rule(ids, k, lo, hi):
+        for n in range(min(hi, len(ids) - 1), lo - 1, -1):
+            starts = [s for s in range(len(ids) - n) if ids[s:s + n] == ids[-n:]]
+            if starts:
+                full = [s for s in starts if s + n + k <= len(ids)]
+                s = (full or starts)[-1] + n
+                return ids[s:s + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        ids = [rng.randrange(rng.choice([2, 3, 7])) for _ in range(rng.randint(1, 30))]
+        k = rng.randint(1, 5)
+        p = NgramProposer(SpeculativeConfig(prompt_lookup_min=lo, prompt_lookup_max=hi))
+        assert p.propose(ids, k) == rule(ids, k, lo, hi), (ids, k, lo, hi)
+
+
 @pytest.mark.parametrize("value,message", [
     ({"method": "eagle"}, "method must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
