@@ -111,8 +111,8 @@ class EngineConfig:
     # CPU linear layers: onednn (weights packed once; float32 calls of a few rows over a second copy packed in
     # panels), onednn-only (no second copy: half the memory), or mkl (torch's default GEMM)
     cpu_linear: str = "onednn"
-    # float32 on CPU: a Llama-family decoder layer of a few rows (decode steps of up to 28 sequences on
-    # AVX-512, 12 on AVX2) as one C++ op, bitwise the layer's own ops (False: op by op from Python)
+    # float32 or bfloat16 on CPU: a Llama-family decoder layer of a few rows (float32: up to 28 on AVX-512, 12
+    # on AVX2; bfloat16: 8) as one C++ op, bitwise the layer's own ops (False: op by op from Python)
     cpu_fused_layers: bool = True
 
     def __post_init__(self):

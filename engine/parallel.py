@@ -150,6 +150,21 @@ class Linear(nn.Linear):
             y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.forward(x, y)
 
+    def few_rows_op(self) -> tuple | None:
+        """(weight, bias, rows): what forward hands pagoda's CPU op for calls of up to `rows` rows (the panels,
+        or the few-row op's weight), for a caller that runs the op itself (models/llama.py FusedDecoderLayer);
+        None where such calls take another path (batch-invariant, int8, LoRA, no CPU ops bound)."""
+        if self.batch_invariant is not None or self.qweight is not None or self.lora is not None:
+            return None
+        if self.panels is not None:
+            return self.panels.weight, self.panels.bias, self.panels.rows
+        if self.fused_ops is None or self.weight is None:
+            return None
+        rows = FEW_ROWS if self.packed is None and self.weight.dtype == torch.float32 else FEW_ROWS_PACKED
+        if self.weight.stride(1) == 1:  # row-major: cpu_ops.linear gives torch the calls above its limit
+            rows = min(rows, self.fused_ops.ROW_MAJOR_ROWS)
+        return self.weight, self.bias, rows
+
 
 def column_parallel(in_features: int, out_features: int, bias: bool, pieces=None) -> Linear:
     """Output features split. `pieces`: the fused pieces' (full size, first row, rows held) by shard

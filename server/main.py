@@ -112,8 +112,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "calls of a few rows over a second copy packed in panels), onednn-only (no second copy: half the "
         "weights' memory, slower decode) or mkl (torch's default GEMM) (default: onednn)", default="onednn",
         choices=list(CPU_LINEARS))
-    opt("--cpu-fused-layers", "CPU_FUSED_LAYERS", "float32 on CPU: a decoder layer (Llama family) of a few rows "
-        "(decode steps) as one C++ op, bitwise its ops one by one, without the Python between them (default: on)",
+    opt("--cpu-fused-layers", "CPU_FUSED_LAYERS", "float32 or bfloat16 on CPU: a decoder layer (Llama family) of a "
+        "few rows (decode steps) as one C++ op, bitwise its ops one by one, without the Python between them "
+        "(default: on)",
         default="on", choices=["on", "off"])
     opt("--block-size", "BLOCK_SIZE", "tokens per KV cache block (default: 16)", type=int, default=16)
     opt("--num-kv-blocks", "NUM_KV_BLOCKS", "KV cache blocks (default: from the memory budget)", type=int)

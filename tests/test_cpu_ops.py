@@ -506,8 +506,11 @@ def test_the_avx2_path_on_an_avx512_machine():
     assert " passed" in out.stdout and " failed" not in out.stdout
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3"])
-def test_decoder_layer_op_is_bitwise_the_layer_op_by_op(checkpoint, family):
+@pytest.mark.parametrize("family,options", [
+    ("llama", {}), ("llama-untied", {}), ("qwen2", {}), ("qwen3", {}),  # float32: the linears in panels
+    ("llama", {"cpu_linear": "mkl"}), ("qwen2", {"cpu_linear": "mkl"}),  # float32: the few-row op's weights
+    ("llama-untied", {"dtype": "bfloat16"}), ("qwen3", {"dtype": "bfloat16"})])
+def test_decoder_layer_op_is_bitwise_the_layer_op_by_op(checkpoint, family, options):
     """csrc/decoder_layer_cpu.cpp (models/llama.py FusedDecoderLayer) against the same layer run op by op
     from Python, on a step with decodes, a prompt chunk and a multi-token query over cached context, in
     the first layer (no residual yet) and a later one: output, residual and KV cache all bitwise equal."""
@@ -515,7 +518,8 @@ def test_decoder_layer_op_is_bitwise_the_layer_op_by_op(checkpoint, family):
     from pagoda.engine.scheduler import SchedulerOutput
     from pagoda.engine.sequence import BlockTable, Sequence
 
-    runner = LLM(checkpoint(family), dtype="float32", num_kv_blocks=16, block_size=4).engine.runner
+    options = {"dtype": "float32", **options}
+    runner = LLM(checkpoint(family), num_kv_blocks=16, block_size=4, **options).engine.runner
     model = runner.model
     assert all(layer.fused is not None for layer in model.layers)
 
@@ -525,8 +529,9 @@ def test_decoder_layer_op_is_bitwise_the_layer_op_by_op(checkpoint, family):
         return s
 
     batch = SchedulerOutput([seq(6, 5, [3, 7]), seq(3, 2, [9]), seq(10, 4, [1, 2, 5]), seq(8, 5, [4, 6])],
-                            num_new_tokens=[1, 1, 4, 3], num_sampled=[1, 1, 0, 3])
+                            num_new_tokens=[1, 1, 3, 3], num_sampled=[1, 1, 0, 3])
     ids, positions, meta, _ = runner._prepare_inputs(batch)
+    assert len(ids) <= model.layers[0].fused.rows  # the step takes the one op (bfloat16: up to 8 rows)
     torch.manual_seed(0)
     runner.kv_cache.normal_()  # the cached context the new tokens attend to
     with torch.inference_mode():
@@ -547,12 +552,12 @@ def test_decoder_layer_op_is_bitwise_the_layer_op_by_op(checkpoint, family):
 
 
 @pytest.mark.parametrize("options", [dict(cpu_fused_layers=False), dict(attention_backend="torch"),
-                                     dict(cpu_linear="mkl"), dict(cpu_linear="onednn-only"),
-                                     dict(dtype="bfloat16"), dict(deterministic=True), dict(quantization="int8"),
+                                     dict(cpu_linear="onednn-only"), dict(dtype="float16"),
+                                     dict(deterministic=True), dict(quantization="int8"),
                                      dict(allow_lora_loading=True)])
 def test_decoder_layers_run_op_by_op_where_the_one_op_is_not_their_path(checkpoint, options):
-    """No panels, another attention, bfloat16, batch-invariant linears, LoRA updates, or turned off:
-    the layers keep their Python path (EngineConfig.cpu_fused_layers)."""
+    """No weights for the few-row op (onednn-only), another attention, float16, batch-invariant linears,
+    int8, LoRA updates, or turned off: the layers keep their Python path (EngineConfig.cpu_fused_layers)."""
     from pagoda.engine import LLM, SamplingParams
 
     llm = LLM(checkpoint("llama"), **{"dtype": "float32", "num_kv_blocks": 16, **options})

@@ -112,16 +112,15 @@ class FusedDecoderLayer:
     in its order, so bitwise its result, without the Python between them (about 0.1 ms a layer: a fifth of
     a one-stream step on a small model; docs/performance.md "One op a layer")."""
 
-    def __init__(self, layer: LlamaDecoderLayer, ops):
+    def __init__(self, layer: LlamaDecoderLayer, ops, linears: list[tuple]):
+        # linears: (weight, bias, rows) of qkv, o, gate_up and down, as parallel.Linear.few_rows_op gives them
         a, mlp = layer.self_attn, layer.mlp
-        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        self.rows = min(m.panels.rows for m in linears)
+        (qkv, qkv_b, _), (o, o_b, _), (gu, gu_b, _), (down, down_b, _) = linears
+        self.rows = min(rows for _, _, rows in linears)
         q_norm, k_norm = (None if n is None else n.weight for n in (a.q_norm, a.k_norm))
-        self.weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                        a.qkv_proj.panels.weight, a.qkv_proj.panels.bias, q_norm, k_norm,
-                        a.o_proj.panels.weight, a.o_proj.panels.bias, mlp.gate_up_proj.panels.weight,
-                        mlp.gate_up_proj.panels.bias, mlp.down_proj.panels.weight, mlp.down_proj.panels.bias]
-        self.sizes = [a.num_heads, a.num_kv_heads, a.head_dim, a.o_proj.panels.out, mlp.intermediate_size]
+        self.weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, qkv_b, q_norm,
+                        k_norm, o, o_b, gu, gu_b, down, down_b]
+        self.sizes = [a.num_heads, a.num_kv_heads, a.head_dim, a.o_proj.out_features, mlp.intermediate_size]
         self.eps, self.attn, self.ops = layer.input_layernorm.eps, a.attn, ops
 
     def __call__(self, rope, x, residual, meta: AttentionMetadata):
@@ -134,21 +133,22 @@ class FusedDecoderLayer:
 
 
 def fuse_decoder_layer(layer: LlamaDecoderLayer, ops, backend) -> FusedDecoderLayer | None:
-    """The layer as one op where its own path is that op's: float32 linears packed in panels (no LoRA, int8,
-    batch-invariant mode or tensor parallelism), the CPU ops bound for norms, SiLU and rotary, attention by
-    `backend` (engine/layers/cpu_attention.py) with no prompt short enough to fit in `rows` sent to SDPA."""
+    """The layer as one op where its own path for a few rows is that op's: every linear through pagoda's CPU
+    op (panels or the few-row op: no LoRA, int8 or batch-invariant mode) and no tensor parallelism, the CPU
+    ops bound for norms, SiLU and rotary, attention by `backend` (engine/layers/cpu_attention.py); `rows`
+    stays below the prompt length from which that backend hands a prompt to SDPA."""
     a, mlp = layer.self_attn, layer.mlp
-    linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears = [m.few_rows_op() for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (a.q_norm, a.k_norm) if n]
-    if any(m.panels is None or m.lora is not None or m.qweight is not None or m.batch_invariant is not None
-           for m in linears) or a.o_proj.tp.size > 1 or mlp.down_proj.tp.size > 1:
+    if None in linears or a.o_proj.tp.size > 1 or mlp.down_proj.tp.size > 1:
         return None
     if not (mlp.is_silu and mlp.fused_ops is not None and all(n.fused_ops is not None for n in norms)
             and len({n.eps for n in norms}) == 1 and a.attn.backend is backend):
         return None
-    fused = FusedDecoderLayer(layer, ops)
+    fused = FusedDecoderLayer(layer, ops, linears)
     least = backend.sdpa_min_tokens(a.head_dim)
-    return fused if least is None or fused.rows < least else None
+    fused.rows = fused.rows if least is None else min(fused.rows, least - 1)
+    return fused
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,4 +1,4 @@
-// A Llama-family decoder layer of a few rows (float32, weights packed in panels) as one op: the
+// A Llama-family decoder layer of a few rows (float32 or bfloat16) as one op: the
 // same ops as the layer's Python (engine/models/llama.py), called in the same order on the same
 // tensors, so the result is bitwise the same; what it saves is the Python between them (about a
 // tenth of a millisecond a layer: a fifth of a one-stream step on a 58 MB model). Calls go
@@ -20,9 +20,14 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
+// w: packed in panels ([panels, in, 16], float32: linear_panels), or [out, in] (linear_few_rows: bfloat16
+// or float32 over a column-major weight), as parallel.Linear picks for a call of a few rows
 at::Tensor linear(const at::Tensor& x, const OptTensor& w, const OptTensor& b, int64_t out) {
-  static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>("pagoda::linear_panels");
-  return h.call(x, *w, b, out);
+  static auto panels = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>(
+      "pagoda::linear_panels");
+  static auto few_rows = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+      "pagoda::linear_few_rows");
+  return w->dim() == 3 ? panels.call(x, *w, b, out) : few_rows.call(x, *w, b);
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const OptTensor& w, double eps) {
@@ -43,7 +48,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 }
 
 // weights: [input_norm, post_attention_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, gate_up_bias,
-// down, down_bias] (the linears packed by cpu_ops.PanelLinear; a missing bias or q/k norm: None);
+// down, down_bias] (each linear's as `linear` above takes it; a missing bias or q/k norm: None);
 // sizes: [num_heads, num_kv_heads, head_dim, hidden, intermediate].
 // x: [num_tokens, hidden]; residual: the same shape, or None in the first layer (x is then the residual).
 // The first num_decode tokens are single-token queries (decode_*), the rest prefill chunks (prefill_*), as
