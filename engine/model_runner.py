@@ -89,8 +89,7 @@ class ModelRunner:
             for m in model.modules():
                 if hasattr(type(m), "fused_ops"):
                     m.fused_ops = fused
-        if config.cpu_fused_layers and backend is cpu_attention and dtype in FUSED_DTYPES:
-            for m in model.modules():
+            for m in model.modules() if config.cpu_fused_layers and backend is cpu_attention else ():
                 if isinstance(m, LlamaDecoderLayer):
                     m.fused = fuse_decoder_layer(m, fused.ops(), backend)
 

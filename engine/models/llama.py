@@ -112,11 +112,11 @@ class FusedDecoderLayer:
     in its order, so bitwise its result, without the Python between them (about 0.1 ms a layer: a fifth of
     a one-stream step on a small model; docs/performance.md "One op a layer")."""
 
-    def __init__(self, layer: LlamaDecoderLayer, ops, linears: list[tuple]):
+    def __init__(self, layer: LlamaDecoderLayer, ops, linears: list[tuple], max_rows: int | None):
         # linears: (weight, bias, rows) of qkv, o, gate_up and down, as parallel.Linear.few_rows_op gives them
         a, mlp = layer.self_attn, layer.mlp
         (qkv, qkv_b, _), (o, o_b, _), (gu, gu_b, _), (down, down_b, _) = linears
-        self.rows = min(rows for _, _, rows in linears)
+        self.rows = min([rows for _, _, rows in linears] + ([] if max_rows is None else [max_rows]))
         q_norm, k_norm = (None if n is None else n.weight for n in (a.q_norm, a.k_norm))
         self.weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, qkv_b, q_norm,
                         k_norm, o, o_b, gu, gu_b, down, down_b]
@@ -145,10 +145,8 @@ def fuse_decoder_layer(layer: LlamaDecoderLayer, ops, backend) -> FusedDecoderLa
     if not (mlp.is_silu and mlp.fused_ops is not None and all(n.fused_ops is not None for n in norms)
             and len({n.eps for n in norms}) == 1 and a.attn.backend is backend):
         return None
-    fused = FusedDecoderLayer(layer, ops, linears)
     least = backend.sdpa_min_tokens(a.head_dim)
-    fused.rows = fused.rows if least is None else min(fused.rows, least - 1)
-    return fused
+    return FusedDecoderLayer(layer, ops, linears, None if least is None else least - 1)
 
 
 class LlamaForCausalLM(nn.Module):
