@@ -6,8 +6,10 @@ tokens (checked).
 Workloads, from the standard library's source (held out: files the model was not trained on
 first, taken from the end of the sorted list):
   edit      the prompt is a piece of code, then a comment asking for it again, then its first
-            line: the answer copies the code (small changes where the model makes them), where
-            prompt lookup shines;
+            line: a model that edits copies the code, where prompt lookup shines. Whether the model
+            does shows in the table's "answer echoing the prompt" (echoes()): the models trained here
+            mostly do not (2026-11-28: 0-10%; their answers repeat themselves, which lookup also
+            predicts), so their editing rows measure lookup over a model's repetition, not over an edit;
   continue  free continuation of a piece of code, where it has little to look up (and a draft
             trained like the target should predict it).
 
@@ -112,9 +114,27 @@ def run_llamacpp(server, batch: list[list[int]], new_tokens: int) -> tuple[float
     return len(batch) * new_tokens / (time.perf_counter() - t0), accepted / drafted if drafted else None
 
 
+def echoes(prompts: list[list[int]], outputs: list[list[int]], n: int = 4) -> tuple[float, float]:
+    """Where the answers' text comes from, as prompt lookup sees it: the share of generated tokens that end
+    an n-gram found in the prompt, and of the rest, the share that end an n-gram found earlier in the answer
+    (a model repeating itself). A model editing code echoes its prompt; a weak one repeats itself."""
+    in_prompt = in_answer = total = 0
+    for prompt, out in zip(prompts, outputs):
+        seen_prompt = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+        text, seen = prompt + out, set()
+        for i in range(len(prompt), len(text)):
+            gram = tuple(text[i - n + 1:i + 1])
+            in_prompt += gram in seen_prompt
+            in_answer += gram not in seen_prompt and gram in seen
+            seen.add(gram)
+            total += 1
+    return in_prompt / total, in_answer / total
+
+
 def measure(engines: dict, servers: dict, batch: list[list[int]], args):
     """Each engine (and llama-server) over the batch args.repeats times, alternating: tokens/s per run,
-    pagoda's mean accepted length per run, and the share of llama.cpp's drafts accepted per run."""
+    pagoda's mean accepted length per run, the share of llama.cpp's drafts accepted per run, and the
+    outputs (the same for every engine)."""
     rates = {name: [] for name in engines}
     accepted = {m: [] for m in args.methods}
     peer_rates = {name: [] for name in servers}
@@ -139,7 +159,7 @@ def measure(engines: dict, servers: dict, batch: list[list[int]], args):
             rate, share = run_llamacpp(server, batch, args.new_tokens)
             peer_rates[name].append(rate)
             shares[name].append(share)
-    return rates, accepted, peer_rates, shares
+    return rates, accepted, peer_rates, shares, outputs["off"]
 
 
 def main(argv=None) -> int:
@@ -208,12 +228,14 @@ def main(argv=None) -> int:
             for streams in args.streams:
                 batch = (pool * streams)[:streams]
                 peers = servers if streams == 1 else {}
-                rates, accepted, peer_rates, shares = measure(engines, peers, batch, args)
+                rates, accepted, peer_rates, shares, outputs = measure(engines, peers, batch, args)
+                from_prompt, from_answer = echoes(batch, outputs)
                 off = statistics.median(rates["off"])
                 for m in args.methods:
                     on = statistics.median(rates[m])
                     rows.append([workload, streams, m, f"{off:.0f}", f"{on:.0f}", f"{on / off:.2f}x",
-                                 f"{statistics.mean(accepted[m]):.2f}"])
+                                 f"{statistics.mean(accepted[m]):.2f}", f"{100 * from_prompt:.0f}%",
+                                 f"{100 * from_answer:.0f}%"])
                     print(rows[-1], flush=True)
                     if peers:
                         lc_off, lc_on = statistics.median(peer_rates["off"]), statistics.median(peer_rates[m])
@@ -223,7 +245,8 @@ def main(argv=None) -> int:
                                           f"{off / lc_off:.2f}x", f"**{on / lc_on:.2f}x**"])
                         print(peer_rows[-1], flush=True)
     table = common.markdown_table(["workload", "streams", "method", "off tok/s", "spec tok/s", "spec / off",
-                                   "mean accepted length"], rows)
+                                   "mean accepted length", "answer echoing the prompt", "answer repeating itself"],
+                                  rows)
     if peer_rows:
         table += ("\n\nllama.cpp (llama-server, the same checkpoints in float32 GGUF, one slot, its own "
                   "speculation: --spec-type draft-simple -md DRAFT / --spec-type ngram-simple, n 3, m k), one "
@@ -239,7 +262,8 @@ def main(argv=None) -> int:
             f"tokens per stream, k={args.k}, prompt_lookup_max 3 (ngram), default switch-off (disable_by_batch_size 8, "
             f"min_acceptance_rate 0.2); medians of {args.repeats} alternating runs; outputs identical with and "
             f"without; tokens/s by {'the process CPU time' if args.clock == 'cpu' else 'wall time'}. Mean accepted "
-            f"length: tokens per verifying step (accepted + 1). {args.note}\n\n{table}\n")
+            f"length: tokens per verifying step (accepted + 1). Answer echoing the prompt / repeating itself: the "
+            f"share of generated tokens ending a 4-gram found in the prompt / (of the rest) earlier in the answer. {args.note}\n\n{table}\n")
     return 0
 
 

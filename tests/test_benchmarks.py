@@ -120,6 +120,20 @@ def test_speculative_runs_with_and_without_and_checks_the_outputs(checkpoint):
              "--repeats", "1", "--snippet-tokens", "64", "--threads", "1", "--no-results")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| edit | 1 |" in r.stdout and "| continue | 3 |" in r.stdout and "mean accepted length" in r.stdout
+    assert "answer echoing the prompt" in r.stdout
+
+
+def test_speculative_echoes_says_where_an_answer_comes_from():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import speculative
+    finally:
+        sys.path.pop(0)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # code, then the start of its copy
+    assert speculative.echoes([prompt], [[4, 5, 6]]) == (1.0, 0.0)  # the copy goes on: each token ends a 4-gram of it
+    # a model repeating itself: (9, 9, 9, 9) is new where it first ends, then seen twice
+    assert speculative.echoes([prompt], [[9, 9, 9, 9, 9, 9]]) == (0.0, 2 / 6)
+    assert speculative.echoes([prompt, prompt], [[4, 5, 6], [7, 8, 9]]) == (0.5, 0.0)
 
 
 def test_deterministic_benchmark(checkpoint):
