@@ -8,7 +8,7 @@ first, taken from the end of the sorted list):
   edit      the prompt is a piece of code, then a comment asking for it again, then its first
             line: a model that edits copies the code, where prompt lookup shines. Whether the model
             does shows in the table's "answer echoing the prompt" (echoes()): the models trained here
-            mostly do not (2026-11-28: 0-10%; their answers repeat themselves, which lookup also
+            do not (2026-11-28: 0%; their answers repeat themselves, 45-66%, which lookup also
             predicts), so their editing rows measure lookup over a model's repetition, not over an edit;
   continue  free continuation of a piece of code, where it has little to look up (and a draft
             trained like the target should predict it).
