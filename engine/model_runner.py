@@ -89,9 +89,10 @@ class ModelRunner:
             for m in model.modules():
                 if hasattr(type(m), "fused_ops"):
                     m.fused_ops = fused
-            for m in model.modules() if config.cpu_fused_layers and backend is cpu_attention else ():
-                if isinstance(m, LlamaDecoderLayer):
-                    m.fused = fuse_decoder_layer(m, fused.ops(), backend)
+            if config.cpu_fused_layers and backend is cpu_attention:  # after the loop above: fusing reads fused_ops
+                for m in model.modules():
+                    if isinstance(m, LlamaDecoderLayer):
+                        m.fused = fuse_decoder_layer(m, fused.ops(), backend)
 
     # LoRA adapters, on every rank (engine/workers.py Workers.call): their weights read, dropped, made resident
     def lora_add(self, name: str, path: str) -> None:
