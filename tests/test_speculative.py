@@ -12,7 +12,7 @@ from scipy.stats import chi2_contingency, chisquare
 from conftest import FAMILIES
 from pagoda.engine import LLM, EngineConfig, SamplingParams
 from pagoda.engine.config import SpeculativeConfig
-from pagoda.engine.demo import build_tiny_checkpoint
+from pagoda.engine.demo import DEMO_CONFIG, build_tiny_checkpoint
 from pagoda.engine.layers.sampler import Sampler, SamplingTensors
 from pagoda.engine.speculative import NgramProposer, accepted_tokens
 from sp_tokenizer import build_sentencepiece_tokenizer
@@ -195,6 +195,37 @@ def test_stop_strings_logprobs_and_n_see_only_accepted_tokens(text_model):
             assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
             assert [x.logprob for x in g.logprobs] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-4)
     _accepted_and_rejected(llm)
+
+
+@pytest.fixture(scope="module")
+def demo_shaped(tmp_path_factory):
+    """The demo model's shape (hidden 256, head_dim 32): there, by default, a verification's logprobs differ
+    from a decode step's in the last bits (checked when this test was written), so bitwise equality below
+    is the deterministic mode's doing."""
+    return build_tiny_checkpoint(str(tmp_path_factory.mktemp("demo-shaped")), "llama", initializer_range=0.05,
+                                 printable_output=True, tie_word_embeddings=False, **DEMO_CONFIG)
+
+
+def test_deterministic_mode_logprobs_bitwise_the_same_with_speculation(demo_shaped):
+    # by default a verification row's logprobs agree with a plain decode step's to rounding (the test
+    # above); with --deterministic every row's numbers are its own whatever the rows beside it, so
+    # tokens, logprobs and top logprobs are bitwise those without speculation (greedy and seeded sampling)
+    prompts = ["Über Öl und Größe, 寿司 🎉 " * 4, "The quick brown fox. " * 5]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True, logprobs=True, top_logprobs=3)]
+    options = dict(num_kv_blocks=64, deterministic=True)
+
+    def numbers(outs):
+        return [(c.token_ids, [(x.token_id, x.logprob, x.top) for x in c.logprobs]) for o in outs for c in o.outputs]
+
+    for prompt in prompts:
+        plain = LLM(demo_shaped, dtype="float32", **options).generate([prompt] * 2, params)
+        knowing = KnowingProposer([o.prompt_token_ids for o in plain[:1]], [plain[0].outputs[0].token_ids])
+        llm, outs = _generate(demo_shaped, [prompt] * 2, params, proposer=knowing, **options)
+        _accepted_and_rejected(llm)
+        assert numbers(outs) == numbers(plain)
+        llm, outs = _generate(demo_shaped, [prompt] * 2, params, spec=_draft_spec(demo_shaped), **options)
+        assert numbers(outs) == numbers(plain)
 
 
 # ---- sampling: the output is distributed exactly as the target's ----
