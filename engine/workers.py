@@ -60,7 +60,11 @@ def process_group(store, rank: int, size: int, device: torch.device, timeout_s: 
         opts = torch.distributed.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return torch.distributed.ProcessGroupNCCL(store, rank, size, opts)
-    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+    # the ranks meet under the start's timeout (a rank may still be importing torch on a busy
+    # machine); the collectives then run under the configured one, which catches a hung rank
+    pg = torch.distributed.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=START_TIMEOUT_S))
+    pg.set_timeout(timeout)
+    return pg
 
 
 class Workers:

@@ -190,3 +190,46 @@ def test_sigterm_stops_every_rank(checkpoint):
     finally:
         srv.kill()
     assert_all_gone(ranks, timeout=30)
+
+
+def _late_rank(port: int, delay_s: float, q) -> None:
+    import datetime
+
+    import torch
+    from pagoda.engine.workers import process_group
+    time.sleep(delay_s)  # still importing torch on a busy machine
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    pg = process_group(store, 1, 2, torch.device("cpu"), 2.0)
+    x = torch.ones(2)
+    pg.allreduce([x]).wait()
+    q.put(x.tolist())
+    time.sleep(60)  # hung: rank 0's next collective must time out
+
+
+def test_a_rank_slower_to_start_than_the_collective_timeout_still_joins():
+    """The ranks meet under the start's timeout; only collectives run under tp_timeout_s (a rank that
+    took longer than that to import torch failed the engine's start in CI)."""
+    import datetime
+    import multiprocessing
+
+    import torch
+    from pagoda.engine.workers import process_group
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=60))
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_late_rank, args=(store.port, 5.0, q))
+    proc.start()
+    try:
+        pg = process_group(store, 0, 2, torch.device("cpu"), 2.0)
+        x = torch.ones(2)
+        pg.allreduce([x]).wait()
+        assert x.tolist() == [2.0, 2.0] and q.get(timeout=60) == [2.0, 2.0]
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):
+            pg.allreduce([x]).wait()
+        assert time.monotonic() - t0 < 50
+    finally:
+        proc.kill()
+        proc.join(10)
+    assert proc.exitcode is not None
