@@ -206,6 +206,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     lim("--max-connection-age", "MAX_CONNECTION_AGE", "seconds after which a client is asked to reconnect "
         "(calls in flight finish first), so that clients balancing over a DNS name pick up new replicas; "
         "0: never (default: 0)", type=float, default=0.0)
+    lim("--http-keepalive-timeout", "HTTP_KEEPALIVE_TIMEOUT", "seconds the HTTP API keeps an idle connection "
+        "open for the client's next request; keep it longer than the clients' and proxies' own idle timeouts "
+        f"(default: {o.DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S:g})", type=float, default=o.DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S)
 
     g = p.add_argument_group("security")
 
@@ -254,6 +257,7 @@ def server_options(args: argparse.Namespace):
         keepalive_timeout=args.keepalive_timeout,
         keepalive_min_ping_interval=args.keepalive_min_ping_interval,
         max_connection_age=args.max_connection_age,
+        http_keepalive_timeout=args.http_keepalive_timeout,
         tls_cert=args.tls_cert or None,
         tls_key=args.tls_key or None,
         tls_client_ca=args.tls_client_ca or None,

@@ -21,6 +21,11 @@ DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 5.0  # llguidance compiles in ~1 ms; this st
 DEFAULT_KEEPALIVE_TIME_S = 30.0
 DEFAULT_KEEPALIVE_TIMEOUT_S = 20.0
 DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S = 5.0
+# An idle HTTP/1.1 connection is kept this long. Longer than the clients' pools (httpx and so the
+# openai SDK: 5 s) and proxies' (nginx, AWS ALB: 60 s), so that the client side closes first: a server
+# closing at the moment a client reuses the connection resets its request ("connection reset by
+# peer"), uvicorn's default of 5 s racing httpx's 5 s.
+DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S = 75.0
 
 
 @dataclass
@@ -43,6 +48,7 @@ class ServerOptions:
     # seconds after which the server asks a client to reconnect (GOAWAY; calls in flight finish first),
     # so that clients balancing over a DNS name see replicas added since; 0: never
     max_connection_age: float = 0.0
+    http_keepalive_timeout: float = DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S  # seconds an idle HTTP connection is kept
     # security
     tls_cert: str | None = None  # PEM file paths
     tls_key: str | None = None
@@ -84,6 +90,7 @@ class ServerOptions:
         positive("keepalive_timeout", integer=False)
         positive("keepalive_min_ping_interval", integer=False, zero=True)
         positive("max_connection_age", integer=False, zero=True)
+        positive("http_keepalive_timeout", integer=False)
         if self.http_port is not None and (not isinstance(self.http_port, int) or not 0 <= self.http_port <= 65535):
             raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port!r}")
         self.served_model_names = tuple(self.served_model_names or ())

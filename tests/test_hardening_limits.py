@@ -73,6 +73,7 @@ def test_limit_flags_defaults(monkeypatch):
     assert (o.max_stop_strings, o.max_stop_string_len, o.max_stop_token_ids) == (16, 256, 64)
     assert (o.max_concurrent_streams, o.request_timeout) == (2048, 600.0)
     assert (o.keepalive_time, o.keepalive_timeout, o.keepalive_min_ping_interval) == (30.0, 20.0, 5.0)
+    assert o.http_keepalive_timeout == 75.0  # past httpx's (the openai SDK's) 5 s and nginx's 60 s
     assert (o.tls_cert, o.tls_key, o.tls_client_ca, o.api_key, o.metrics_port) == (None, None, None, None, 0)
     grpc_opts = dict(o.grpc_options())
     assert grpc_opts["grpc.max_receive_message_length"] == grpc_opts["grpc.max_send_message_length"] == 4 << 20
@@ -88,14 +89,15 @@ def test_limit_flags_defaults(monkeypatch):
 def test_limit_flags_and_env(monkeypatch):
     env = {"PAGODA_MAX_MESSAGE_BYTES": "65536", "PAGODA_MAX_PROMPT_TOKENS": "100", "PAGODA_MAX_STOP_STRINGS": "4",
            "PAGODA_REQUEST_TIMEOUT": "12.5", "PAGODA_API_KEY": "s3cret", "PAGODA_METRICS_PORT": "9400",
-           "PAGODA_KEEPALIVE_MIN_PING_INTERVAL": "1"}
+           "PAGODA_KEEPALIVE_MIN_PING_INTERVAL": "1", "PAGODA_HTTP_KEEPALIVE_TIMEOUT": "90"}
     o = parse_serve(["--max-tokens-limit", "50", "--max-stop-string-len", "32", "--max-stop-token-ids", "8",
                      "--max-concurrent-streams", "7", "--keepalive-time", "60", "--keepalive-timeout", "5",
                      "--max-prompt-tokens", "90"], env, monkeypatch)
     assert (o.max_message_bytes, o.max_prompt_tokens, o.max_tokens_limit) == (65536, 90, 50)
     assert (o.max_stop_strings, o.max_stop_string_len, o.max_stop_token_ids) == (4, 32, 8)
     assert (o.max_concurrent_streams, o.request_timeout, o.api_key, o.metrics_port) == (7, 12.5, "s3cret", 9400)
-    assert (o.keepalive_time, o.keepalive_timeout, o.keepalive_min_ping_interval) == (60.0, 5.0, 1.0)
+    assert (o.keepalive_time, o.keepalive_timeout, o.keepalive_min_ping_interval, o.http_keepalive_timeout) == (
+        60.0, 5.0, 1.0, 90.0)
     assert "s3cret" not in repr(o)  # the key stays out of logs and tracebacks
 
 
@@ -107,6 +109,7 @@ def test_limit_flags_and_env(monkeypatch):
     (["--tls-cert", "c.pem"], "tls_key"),
     (["--tls-client-ca", "ca.pem"], "tls_client_ca"),
     (["--metrics-port", "70000"], "metrics_port"),
+    (["--http-keepalive-timeout", "0"], "http_keepalive_timeout"),
 ])
 def test_bad_limit_values_are_refused(monkeypatch, argv, message):
     with pytest.raises(ValueError, match=message):
@@ -345,3 +348,33 @@ def test_max_connection_age_recycles_connections_without_cutting_calls(caplog):
     assert len(peers) == 4 and len(set(peers)) >= 2, peers
     assert ("grpc.max_connection_age_ms", 500) in ServerOptions(max_connection_age=0.5).grpc_options()
     assert not any(k == "grpc.max_connection_age_ms" for k, _ in ServerOptions().grpc_options())
+
+
+def _http_get(sock, path: str = "/health") -> bytes:
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_http_keeps_an_idle_connection_for_its_keepalive_timeout():
+    """--http-keepalive-timeout: an idle HTTP connection is reused within it (the default, 75 s, outlasts
+    the clients' own pools, so that they close first: a server closing as a client reuses the
+    connection resets that request) and closed by the server after it."""
+    import socket
+
+    with running(ServerOptions(http_port=0, http_keepalive_timeout=1.5), num_kv_blocks=64) as srv:
+        with socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=30) as sock:
+            assert _http_get(sock).startswith(b"HTTP/1.1 200")
+            time.sleep(0.3)
+            assert _http_get(sock).startswith(b"HTTP/1.1 200")  # the same connection, still open
+            time.sleep(4.0)
+            assert sock.recv(1) == b""  # closed by the server

@@ -152,7 +152,7 @@ class _Uvicorn:
             if options.tls_client_ca:
                 tls.update(ssl_ca_certs=options.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=1,
-                                **tls)
+                                timeout_keep_alive=options.http_keepalive_timeout, **tls)
         self.server = Server(config)
         self.port = sock.getsockname()[1]
         self.task = asyncio.ensure_future(self.server.serve(sockets=[sock]))
