@@ -350,31 +350,25 @@ def test_max_connection_age_recycles_connections_without_cutting_calls(caplog):
     assert not any(k == "grpc.max_connection_age_ms" for k, _ in ServerOptions().grpc_options())
 
 
-def _http_get(sock, path: str = "/health") -> bytes:
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head
-
-
 def test_http_keeps_an_idle_connection_for_its_keepalive_timeout():
     """--http-keepalive-timeout: an idle HTTP connection is reused within it (the default, 75 s, outlasts
     the clients' own pools, so that they close first: a server closing as a client reuses the
     connection resets that request) and closed by the server after it."""
-    import socket
+    import http.client
 
     with running(ServerOptions(http_port=0, http_keepalive_timeout=1.5), num_kv_blocks=64) as srv:
-        with socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=30) as sock:
-            assert _http_get(sock).startswith(b"HTTP/1.1 200")
-            time.sleep(0.3)
-            assert _http_get(sock).startswith(b"HTTP/1.1 200")  # the same connection, still open
-            time.sleep(4.0)
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server.http_port, timeout=30)
+        try:
+            for pause in (0.0, 0.3):
+                time.sleep(pause)
+                conn.request("GET", "/health")
+                response = conn.getresponse()
+                assert response.status == 200 and response.read()
+                if pause == 0.0:
+                    sock = conn.sock
+            assert conn.sock is sock  # the same connection, still open
+            time.sleep(2.5)
+            sock.settimeout(1.0)  # (uvicorn's own default, 5 s, would still hold it open)
             assert sock.recv(1) == b""  # closed by the server
+        finally:
+            conn.close()

@@ -2,18 +2,22 @@
 supported family (tiny checkpoints with peaky weights, float32), with fewer KV heads than ranks, with
 chunked prefill and preemption, over gRPC too; sizes that do not divide are refused at start; a rank
 killed mid-stream fails the calls and the server cleanly (no hang, no process left behind)."""
+import datetime
+import multiprocessing
 import os
 import signal
 import time
 
 import grpc
 import pytest
+import torch
 
 from conftest import FAMILIES
 from grpc_fixtures import InProcessServer, ServeProcess, assert_all_gone, engine_config
 from pagoda.client.client import Client
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
+from pagoda.engine.workers import process_group
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -193,10 +197,6 @@ def test_sigterm_stops_every_rank(checkpoint):
 
 
 def _late_rank(port: int, delay_s: float, q) -> None:
-    import datetime
-
-    import torch
-    from pagoda.engine.workers import process_group
     time.sleep(delay_s)  # still importing torch on a busy machine
     store = torch.distributed.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
     pg = process_group(store, 1, 2, torch.device("cpu"), 2.0)
@@ -209,11 +209,6 @@ def _late_rank(port: int, delay_s: float, q) -> None:
 def test_a_rank_slower_to_start_than_the_collective_timeout_still_joins():
     """The ranks meet under the start's timeout; only collectives run under tp_timeout_s (a rank that
     took longer than that to import torch failed the engine's start in CI)."""
-    import datetime
-    import multiprocessing
-
-    import torch
-    from pagoda.engine.workers import process_group
     store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False,
                                        timeout=datetime.timedelta(seconds=60))
     ctx = multiprocessing.get_context("spawn")
