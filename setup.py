@@ -5,10 +5,13 @@ matches the CPU it runs on (engine/layers/cpu_ops.py). Each library's name carri
 version it was built against and a digest of its sources, so a library that no longer matches
 (another torch, edited sources) is never loaded: the engine then compiles its own on first use.
 The extensions are optional: without a C++ compiler the install goes on, and the engine says so.
+A library of the same name already in engine/layers (an editable install of the same sources and torch
+built it) is copied instead of compiled again: building a wheel from a checkout then takes seconds.
 """
 import glob
 import hashlib
 import os
+import shutil
 
 from setuptools import setup
 
@@ -37,7 +40,22 @@ def cpu_ops():
                                extra_link_args=["-fopenmp"],
                                optional=True)
                   for arch, flags in ARCH_FLAGS.items()]
-    return extensions, {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
+    return extensions, {"build_ext": _reusing(BuildExtension).with_options(no_python_abi_suffix=True)}
+
+
+def _reusing(build_ext):
+    class ReusingBuild(build_ext):
+        def build_extension(self, ext):
+            target = self.get_ext_fullpath(ext.name)
+            # the name holds the torch version and the sources' digest: the same name, the same library
+            built = os.path.join(os.path.dirname(__file__) or ".", "engine", "layers", os.path.basename(target))
+            if os.path.exists(built) and os.path.abspath(built) != os.path.abspath(target):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copyfile(built, target)
+                print(f"reusing {built} (same torch and sources)")
+                return
+            super().build_extension(ext)
+    return ReusingBuild
 
 
 ext_modules, cmdclass = cpu_ops()

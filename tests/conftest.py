@@ -3,6 +3,9 @@ import os
 # Triton reads this when its kernels are defined; set before anything imports them, so the
 # Triton attention backend runs under the interpreter on CPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests share two cores (with each other under xdist, and with whatever else runs): OpenMP threads that
+# spin while they wait would take the core from the test that has work (the CLI sets the same for itself).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
