@@ -52,8 +52,10 @@ def main(argv=None) -> int:
     if args.per_call:
         return per_call(args)
 
-    from pagoda.engine import LLM, SamplingParams, parallel
-    from pagoda.engine.model_runner import _positions_and_slots
+    from pagoda.engine import LLM, SamplingParams
+
+    from pagoda.engine.executor import parallel
+    from pagoda.engine.executor.model_runner import _positions_and_slots
 
     if args.model_config:
         path = common.cached_checkpoint(args.model_config)

@@ -46,7 +46,7 @@ class Timed:
 
 def run(llm, workload, constrained: bool) -> tuple[float, int]:
     from pagoda.engine import SamplingParams
-    from pagoda.engine.structured import StructuredOutputs
+    from pagoda.engine.structured.manager import StructuredOutputs
 
     so = StructuredOutputs(json=SCHEMA) if constrained else None
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n, structured_outputs=so)
@@ -69,7 +69,7 @@ def run(llm, workload, constrained: bool) -> tuple[float, int]:
 def mask_costs(llm, workload) -> dict:
     """One constrained run with the mask work timed: ms per engine step."""
     import pagoda.engine.layers.sampler as sampler
-    import pagoda.engine.structured as structured
+    import pagoda.engine.structured.manager as structured
 
     manager = llm.engine.structured
     fill, apply = Timed(structured.fill_bitmasks), Timed(sampler.apply_allowed)
@@ -91,7 +91,7 @@ def compile_times(llm) -> dict:
     """Seconds to compile each of the tests' constraints: cold (a new compiler: no cache) and cached."""
     from structured_cases import CHOICES, GRAMMAR, REGEXES, SCHEMAS
 
-    from pagoda.engine.structured import GrammarCompiler, StructuredOutputs
+    from pagoda.engine.structured.manager import GrammarCompiler, StructuredOutputs
 
     cases = ([StructuredOutputs(json=s) for s in SCHEMAS + [SCHEMA]] + [StructuredOutputs(json_object=True)]
              + [StructuredOutputs(regex=r) for r in REGEXES] + [StructuredOutputs(choice=c) for c in CHOICES]

@@ -48,8 +48,8 @@ def run(llm, workload) -> float:
 
 def where_time_goes(llm, workload) -> dict:
     """One split run with rank 0's collectives and step sends timed (per engine step)."""
-    import pagoda.engine.model_runner as runner_module
-    from pagoda.engine import parallel
+    import pagoda.engine.executor.model_runner as runner_module
+    from pagoda.engine.executor import parallel
 
     reduce, gather = Counted(parallel.all_reduce), Counted(parallel.all_gather_last)
     workers, engine = llm.engine.workers, llm.engine

@@ -1,7 +1,7 @@
 """Tool calls at batch speed: offline throughput of the same requests free, under tool_choice
 "required" (the whole output a Hermes call, grammar-enforced), and under tool_choice "auto" with no
 call made (free text under the auto grammar, which watches for the trigger); in one process, runs
-interleaved. The grammars are the server's own (engine/tools.py, as a chat request with these tools
+interleaved. The grammars are the server's own (server/chat/tools.py, as a chat request with these tools
 makes them); the prompts are the same token ids for every kind, so the ratios are the grammar's cost.
 "required" fills each step's masks while the model runs; "required_serial" fills them after it (the
 overlap's A/B, in the same run).
@@ -28,7 +28,7 @@ KINDS = ("free", "required", "auto", "required_serial")
 
 def params_for(llm, kind: str, workload):
     from pagoda.engine import SamplingParams
-    from pagoda.engine.tools import FORMATS, check_tools, constrain
+    from pagoda.server.chat.tools import FORMATS, check_tools, constrain
 
     base = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for _, n in workload]
     if kind == "free":

@@ -3,9 +3,9 @@ torch-free parts (sampling_params, validation, errors) import without torch."""
 import importlib
 
 _EXPORTS = {
-    "LLM": "llm", "AsyncEngine": "async_engine", "EngineConfig": "config", "SamplingParams": "sampling_params",
-    "RequestOutput": "outputs", "TokenLogprob": "outputs", "EngineStats": "outputs", "ModelInfo": "outputs",
-    "EngineRequest": "protocol", "RequestLimits": "validation",
+    "LLM": "frontend.llm", "AsyncEngine": "frontend.async_engine", "EngineConfig": "config",
+    "SamplingParams": "sampling_params", "RequestOutput": "outputs", "TokenLogprob": "outputs",
+    "EngineStats": "outputs", "ModelInfo": "outputs", "EngineRequest": "core.core_io", "RequestLimits": "validation",
 }
 
 

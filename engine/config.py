@@ -2,6 +2,8 @@
 import json
 from dataclasses import asdict, dataclass
 
+from pagoda.engine.validation import is_int
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)  # weight-only int8 on CPU (engine/layers/quantization.py)
 DEVICES = ("auto", "cpu", "cuda")
@@ -15,12 +17,12 @@ CPU_KV_CACHE_GB = 1.0
 # (tests/test_hardening_load.py); padded, ~20 MB in its first round, then flat.
 MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 CPU_LINEARS = ("onednn", "onednn-only", "mkl")
-SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/speculative.py)
+SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/spec_decode/)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (engine/speculative.py), in vLLM's terms; EngineConfig.speculative_config
+    """Speculative decoding (engine/spec_decode/), in vLLM's terms; EngineConfig.speculative_config
     also takes it as a dict or a JSON string."""
     method: str = "ngram"  # ngram: prompt lookup (the sequence's own earlier text proposes what follows)
     num_speculative_tokens: int = 4  # k: most tokens proposed per sequence and step
@@ -45,7 +47,7 @@ class SpeculativeConfig:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"speculative_config: model must be a checkpoint directory or hub id, got {self.model!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
@@ -98,12 +100,12 @@ class EngineConfig:
     max_queue_len: int = 1024  # waiting requests beyond this are refused (QueueFullError)
     cpu_threads: int | None = None  # on CPU, torch's intra-op threads (process-wide); None: torch's default
     engine_process: bool = False  # AsyncEngine: the engine loop in a child process (else a thread)
-    tensor_parallel_size: int = 1  # ranks the model is split over (engine/parallel.py, engine/workers.py)
+    tensor_parallel_size: int = 1  # ranks the model is split over (engine/executor/parallel.py, engine/executor/workers.py)
     tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
     max_queue_wait_s: float | None = None  # a request never scheduled this long after arrival is refused
     speculative_config: SpeculativeConfig | None = None  # speculative decoding; None: off (also a dict or JSON)
     deterministic: bool = False  # a request's output bitwise the same whatever the batch (CPU; README)
-    # LoRA adapters (engine/lora.py): ((name, path), ...); also a dict or vLLM's "NAME=PATH" / JSON list
+    # LoRA adapters (engine/lora/adapters.py): ((name, path), ...); also a dict or vLLM's "NAME=PATH" / JSON list
     lora_modules: tuple = ()
     max_loras: int = 4  # adapters resident at once (a request for another waits for a free slot)
     max_lora_rank: int = 16  # the largest adapter rank accepted (slots are this wide)
@@ -122,7 +124,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("cpu_linear", self.cpu_linear, CPU_LINEARS)
-        if not _is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size!r}")
         _positive_int("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
@@ -148,7 +150,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "engine_process", "deterministic", "cpu_fused_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._check_lora()
@@ -162,7 +164,7 @@ class EngineConfig:
         return bool(self.lora_modules) or self.allow_lora_loading
 
     def _check_lora(self) -> None:
-        from pagoda.engine.lora import parse_lora_modules  # torch-free at import
+        from pagoda.engine.lora.adapters import parse_lora_modules  # torch-free at import
         object.__setattr__(self, "lora_modules", parse_lora_modules(self.lora_modules))
         _positive_int("max_loras", self.max_loras)
         _positive_int("max_lora_rank", self.max_lora_rank)
@@ -172,12 +174,8 @@ class EngineConfig:
             raise ValueError("lora_modules / allow_lora_loading are not supported with deterministic=True")
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _positive_int(name: str, value) -> None:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 

@@ -1,6 +1,6 @@
 """Checkpoints in Hugging Face format: config and tokenizer through transformers, weights from
 safetensors (sharded or not). Pickle checkpoints are refused and no remote code runs. Under tensor
-parallelism each rank reads only the rows or columns its layers hold (engine/parallel.py)."""
+parallelism each rank reads only the rows or columns its layers hold (engine/executor/parallel.py)."""
 import glob
 import os
 

@@ -1,6 +1,7 @@
 """What the engine hands back to its callers."""
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
 
 
@@ -53,13 +54,25 @@ class RequestOutput:
         return self.choices or [self]
 
 
+class FinishReason(Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    GRAMMAR = "grammar"  # the structured output is complete: its grammar allows nothing more
+    ABORT = "abort"
+    ERROR = "error"  # each door's name for these: FINISH_REASONS below
+    TIME_LIMIT = "time_limit"  # params.time_limit_ms passed: the completion ends with what it has
+    REFUSED = "refused"  # never scheduled within max_queue_wait_s: the caller gets QueueWaitError
+
+
 class FinishNames(NamedTuple):
     openai: str  # RequestOutput.finish_reason, OpenAI's (vLLM's) word; the HTTP door's finish_reason
     grpc: str  # pagoda.v1.FinishReason: FINISH_REASON_ + this
 
 
 # The one map from the engine's reasons for ending a completion (RequestOutput.stop_reason,
-# engine/sequence.py FinishReason) to each door's names.
+# FinishReason) to each door's names.
 FINISH_REASONS = {
     "eos": FinishNames("stop", "EOS"),
     "stop_token": FinishNames("stop", "STOP_TOKEN"),
@@ -70,7 +83,7 @@ FINISH_REASONS = {
     "error": FinishNames("error", "UNSPECIFIED"),
     "time_limit": FinishNames("time_limit", "TIME_LIMIT"),  # not in OpenAI's enum: tests/openai_spec.py allows it
     "refused": FinishNames("error", "UNSPECIFIED"),  # never reaches a door: the call fails (QueueWaitError)
-    # not the engine's: a door's, for a completion that ended normally with tool calls (engine/tools.py)
+    # not the engine's: a door's, for a completion that ended normally with tool calls (server/chat/tools.py)
     "tool_calls": FinishNames("tool_calls", "TOOL_CALLS"),
 }
 
@@ -142,4 +155,4 @@ class ModelInfo:
     quantization: str = ""  # "" (none) or "int8" (weight-only)
     speculative_config: str = ""  # speculative decoding's config as JSON; "" when off
     deterministic: bool = False  # EngineConfig.deterministic
-    adapters: tuple = ()  # the LoRA adapters loaded (engine/lora.py AdapterInfo), by name
+    adapters: tuple = ()  # the LoRA adapters loaded (engine/lora/adapters.py AdapterInfo), by name

@@ -3,7 +3,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.structured import StructuredOutputs
+from pagoda.engine.structured.manager import StructuredOutputs
 from pagoda.engine.validation import MAX_N, MAX_TOP_LOGPROBS, check_sampling  # noqa: F401 - re-exported
 
 
@@ -31,7 +31,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; -100 bans it
     bad_words: list[str] = field(default_factory=list)  # never generated (as vLLM: with or without a leading space)
     prompt_logprobs: int | None = None  # each prompt token's logprob, with this many top alternatives
-    structured_outputs: StructuredOutputs | None = None  # what the completion must match (engine/structured.py)
+    structured_outputs: StructuredOutputs | None = None  # what the completion must match (engine/structured/manager.py)
     # ends the completion with what it has (finish reason time_limit) this long after its arrival
     time_limit_ms: int | None = None
 

@@ -5,12 +5,10 @@ model's context and vocabulary (make_request). Every failure is an InvalidReques
 (server/convert.py: `max_tokens` -> `stopping.max_tokens`)."""
 import json
 import math
-import time
 import uuid
 from dataclasses import dataclass
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.core_io import EngineRequest
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
@@ -36,13 +34,13 @@ class RequestLimits:
     def __post_init__(self):
         for name in ("max_prompt_tokens", "max_tokens_limit"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or unset, got {v!r}")
         for name in ("max_stop_strings", "max_stop_string_len", "max_stop_token_ids"):
             v = getattr(self, name)
-            if v is not None and (not _is_int(v) or v < 0):
+            if v is not None and (not is_int(v) or v < 0):
                 raise ValueError(f"{name} must be an integer >= 0 or unset, got {v!r}")
-        if self.max_grammar_bytes is not None and (not _is_int(self.max_grammar_bytes) or self.max_grammar_bytes < 1):
+        if self.max_grammar_bytes is not None and (not is_int(self.max_grammar_bytes) or self.max_grammar_bytes < 1):
             raise ValueError(f"max_grammar_bytes must be a positive integer or unset, got {self.max_grammar_bytes!r}")
         t = self.grammar_compile_timeout
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0):
@@ -149,7 +147,7 @@ def check_number(field: str, value, lo=None, hi=None) -> None:
 
 
 def check_int(field: str, value, lo=None, hi=None, hint: str = "") -> None:
-    if not _is_int(value):
+    if not is_int(value):
         raise InvalidRequestError(field, f"must be an integer, got {value!r}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         rule = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
@@ -177,118 +175,8 @@ def check_messages(messages: list[dict]) -> None:
                 check_text(f"messages[{i}].tool_calls", json.dumps(value, ensure_ascii=False, default=str))
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 # ---- a whole request against the model ----
-
-def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: str | None = None,
-                 priority: int = 0, limits: RequestLimits = DEFAULT_LIMITS, default_max_tokens: int | None = None,
-                 stream: bool = True, grammars=None) -> EngineRequest:
-    """A user's prompt (text or token ids) and SamplingParams as a checked EngineRequest: sizes
-    first (so a huge request is refused before any tokenizing), then the prompt, then max_tokens
-    against the context, then the structured output, compiled by `grammars` (a GrammarCompiler:
-    this waits for it, so callers on an event loop run this in a thread when there is one).
-    params.max_tokens None means default_max_tokens, else up to the context."""
-    from pagoda.engine.sampling_params import SamplingParams
-
-    params = params if params is not None else SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise InvalidRequestError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
-    request_id = check_request_id(request_id) if request_id else new_request_id()
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
-    _check_stop_sizes(params, limits, model.vocab_size)
-    ids = _prompt_ids(prompt, tokenizer, model, limits, params.truncate_prompt_tokens)
-    max_tokens = _max_tokens(params, len(ids), model.max_model_len, limits, default_max_tokens)
-    if params.min_tokens > max_tokens:
-        raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
-    if max_tokens != params.max_tokens:
-        params = params.replace(max_tokens=max_tokens)
-    bad = bad_words_token_ids(params.bad_words, tokenizer)
-    text = prompt if isinstance(prompt, str) and not params.truncate_prompt_tokens else None
-    grammar, compile_s = None, None
-    if params.structured_outputs is not None:
-        if grammars is None:
-            raise InvalidRequestError("structured_outputs", "are not available here (no grammar compiler)")
-        t0 = time.monotonic()
-        grammar = grammars.compile(params.structured_outputs, limits.max_grammar_bytes, limits.grammar_compile_timeout)
-        compile_s = time.monotonic() - t0
-    return EngineRequest(request_id, ids, params, priority, stream, bad_words_token_ids=bad, prompt_text=text,
-                         grammar_compile_s=compile_s,
-                         grammar=grammar)
-
-
-def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
-    """Each bad word's token ids, spelled alone and after a space (as it would follow another word):
-    the sampler bans a sequence's next token where it would complete one of them."""
-    out: list[list[int]] = []
-    for word in words:
-        for spelling in (word.lstrip(), " " + word.lstrip()):
-            ids = list(tokenizer.encode(spelling, add_special_tokens=False))
-            if ids and ids not in out:
-                out.append(ids)
-    return out
-
-
-def _check_stop_sizes(params, limits: RequestLimits, vocab_size: int) -> None:
-    if limits.max_stop_strings is not None and len(params.stop) > limits.max_stop_strings:
-        raise InvalidRequestError("stop", f"must hold at most {limits.max_stop_strings} strings "
-                                          f"(--max-stop-strings), got {len(params.stop)}")
-    for i, s in enumerate(params.stop):
-        if limits.max_stop_string_len is not None and len(s) > limits.max_stop_string_len:
-            raise InvalidRequestError(f"stop[{i}]", f"must be at most {limits.max_stop_string_len} characters "
-                                                    f"(--max-stop-string-len), got {len(s)}")
-    if limits.max_stop_token_ids is not None and len(params.stop_token_ids) > limits.max_stop_token_ids:
-        raise InvalidRequestError("stop_token_ids", f"must hold at most {limits.max_stop_token_ids} ids "
-                                                    f"(--max-stop-token-ids), got {len(params.stop_token_ids)}")
-    for i, t in enumerate(params.stop_token_ids):
-        if t >= vocab_size:
-            raise InvalidRequestError(f"stop_token_ids[{i}]", f"must be < vocab_size ({vocab_size}), got {t}")
-    for t in params.logit_bias:
-        if t >= vocab_size:
-            raise InvalidRequestError("logit_bias", f"token ids must be < vocab_size ({vocab_size}), got {t}")
-
-
-def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits, keep_last: int | None) -> list[int]:
-    """The prompt's token ids, checked; `keep_last` (truncate_prompt_tokens) keeps a longer one's tail."""
-    most = limits.prompt_tokens(model.max_model_len)
-    flag = "--max-prompt-tokens, and " if limits.max_prompt_tokens is not None else ""
-    too_long = (f"more than the {most} prompt tokens accepted ({flag}the context length {model.max_model_len} "
-                f"less one for the completion)")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        ids = tokenizer.encode(check_text("prompt", prompt))
-        ids = ids[-keep_last:] if keep_last else ids
-        if len(ids) > most:
-            raise InvalidRequestError("prompt", f"is {len(ids)} tokens, {too_long}")
-        return ids
-    if prompt is None or isinstance(prompt, (bytes, dict)) or not hasattr(prompt, "__len__"):
-        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
-    ids = list(prompt)
-    if not ids:
-        raise InvalidRequestError("prompt_token_ids", "must not be empty")
-    ids = ids[-keep_last:] if keep_last else ids
-    if len(ids) > most:  # before the per-id check: a huge list is refused at once
-        raise InvalidRequestError("prompt_token_ids", f"is {len(ids)} tokens, {too_long}")
-    vocab = model.vocab_size
-    for i, t in enumerate(ids):
-        if not _is_int(t) or not 0 <= t < vocab:
-            raise InvalidRequestError(f"prompt_token_ids[{i}]", f"must be a token id in [0, {vocab}), got {t!r}")
-    return ids
-
-
-def _max_tokens(params, num_prompt: int, context: int, limits: RequestLimits, default: int | None) -> int:
-    room = context - num_prompt
-    most = limits.max_tokens(context)
-    if params.max_tokens is None:
-        return min(room, most) if default is None else min(default, room, most)
-    if params.max_tokens > room:
-        raise InvalidRequestError("max_tokens", f"({params.max_tokens}) plus the prompt ({num_prompt} tokens) "
-                                                f"must fit the context length ({context})")
-    if params.max_tokens > most:
-        raise InvalidRequestError("max_tokens", f"must be at most {most} (this server's --max-tokens-limit), "
-                                                f"got {params.max_tokens}")
-    return params.max_tokens

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pagoda.engine.async_engine import merge_streams
+from pagoda.engine.frontend.async_engine import merge_streams
 from pagoda.engine.outputs import RequestOutput
 from pagoda.server.state import ServerError, ServerState
 

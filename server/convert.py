@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from pagoda.engine.core_io import EngineRequest
+from pagoda.engine.core.core_io import EngineRequest
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.outputs import FINISH_REASONS
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.structured import StructuredOutputs
-from pagoda.engine.reasoning import reasoning_for
-from pagoda.engine.tools import (AnswerStream, check_tools, constrain, ends_in_calls, message_tool_fields, read_answer,
-                                 tool_format, with_parsing)
+from pagoda.engine.structured.manager import StructuredOutputs
 from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
                                      new_request_id)
+from pagoda.server.chat.answer import PLAIN, AnswerReader
+from pagoda.server.chat.requests import chat_request, render
+from pagoda.server.chat.tools import check_tools, ends_in_calls, message_tool_fields
 from pagoda.server.options import ServerOptions
 from pagoda.v1 import generation_pb2 as pb
 
@@ -64,21 +64,22 @@ def grpc_error(e: InvalidRequestError, prompt: str | None, where: str = "") -> I
 
 def to_engine_requests(req: pb.GenerateRequest | pb.GenerateStreamRequest, engine,
                        limits: RequestLimits = DEFAULT_LIMITS, request_id: str | None = None,
-                       options: ServerOptions | None = None) -> list[EngineRequest]:
+                       options: ServerOptions | None = None) -> tuple[list[EngineRequest], AnswerReader]:
     """A Generate(Stream)Request as checked, tokenized requests (engine.make_request): one, or one per
-    prompt of `prompts` (ids suffixed -0, -1, ...). Raises InvalidRequestError naming the request's
+    prompt of `prompts` (ids suffixed -0, -1, ...), and the reader of their answers (a chat's tool
+    calls and reasoning; server/chat/). Raises InvalidRequestError naming the request's
     field. `request_id` (e.g. from x-request-id metadata) applies when the request's own is empty.
     Rendering and tokenizing a long prompt takes a while: the servicer calls this in a thread for
     large prompts. A request's `adapter` (a LoRA adapter's name) must be loaded (else NOT_FOUND)."""
     adapter = req.adapter if req.HasField("adapter") else None
     if adapter is not None:
         engine.check_adapter(adapter)
-    reqs = _engine_requests(req, engine, limits, request_id, options)
-    return reqs if adapter is None else [dataclasses.replace(r, adapter=adapter) for r in reqs]
+    reqs, reader = _engine_requests(req, engine, limits, request_id, options)
+    return (reqs if adapter is None else [dataclasses.replace(r, adapter=adapter) for r in reqs]), reader
 
 
 def _engine_requests(req, engine, limits: RequestLimits, request_id: str | None,
-                     options: ServerOptions | None) -> list[EngineRequest]:
+                     options: ServerOptions | None) -> tuple[list[EngineRequest], AnswerReader]:
     which = req.WhichOneof("prompt")
     rid = req.request_id or request_id
     try:
@@ -88,30 +89,29 @@ def _engine_requests(req, engine, limits: RequestLimits, request_id: str | None,
         raise grpc_error(e, which) from None
     if which == "messages":  # a chat: tools, reasoning
         options = options or ServerOptions()
+        make = lambda ids, p: engine.make_request(ids, p, rid, req.priority, limits=limits,  # noqa: E731
+                                                  default_max_tokens=DEFAULT_MAX_TOKENS)
         try:
-            fmt = tools and tool_format(engine.tokenizer, options.tool_call_parser)
-            prompt = _prompt(req, which, engine, tools and tools.tools)
-            reasoning = reasoning_for(engine.tokenizer, prompt, options.reasoning_parser)
-            params, parsing = constrain(tools, fmt, params, engine.tokenizer, reasoning)
-            make = lambda: engine.make_request(prompt, params, rid, req.priority, limits=limits,  # noqa: E731
-                                               default_max_tokens=DEFAULT_MAX_TOKENS)
-            return [with_parsing(make, parsing, reasoning)]
+            r, reader = chat_request(engine, _messages(req.messages.messages), params, make, tools=tools,
+                                     tool_call_parser=options.tool_call_parser,
+                                     reasoning_parser=options.reasoning_parser)
+            return [r], reader
         except InvalidRequestError as e:
-            raise grpc_error(e, which) from None
+            raise grpc_error(_in_messages(e), which) from None
     if which != "prompts":
-        return [_request(req, which, "", params, rid, req, engine, limits)]
+        return [_request(req, which, "", params, rid, req, engine, limits)], PLAIN
     prompts = req.prompts.prompts
     if not prompts:
         raise InvalidRequestError("prompts.prompts", "must hold at least one prompt")
     rid = rid or new_request_id()
     return [_request(p, p.WhichOneof("prompt"), f"prompts.prompts[{i}].", params, f"{rid}-{i}", req, engine, limits)
-            for i, p in enumerate(prompts)]
+            for i, p in enumerate(prompts)], PLAIN
 
 
 def to_engine_request(req, engine, limits: RequestLimits = DEFAULT_LIMITS,
                       request_id: str | None = None) -> EngineRequest:
     """The request of a single-prompt Generate(Stream)Request."""
-    return to_engine_requests(req, engine, limits, request_id)[0]
+    return to_engine_requests(req, engine, limits, request_id)[0][0]
 
 
 def _request(source, which, where: str, params, rid, req, engine, limits) -> EngineRequest:
@@ -146,7 +146,7 @@ def _params(req) -> SamplingParams:
 
 
 def _tools(req, which):
-    """The request's tools as OpenAI's function tools (engine/tools.py checks them); None without tools."""
+    """The request's tools as OpenAI's function tools (server/chat/tools.py checks them); None without tools."""
     if not req.tools:
         if req.HasField("tool_choice") or req.HasField("parallel_tool_calls"):
             raise InvalidRequestError("tools", "must be given with tool_choice or parallel_tool_calls")
@@ -186,15 +186,28 @@ def _structured(so: pb.StructuredOutput) -> StructuredOutputs:
     return StructuredOutputs(**{"json" if kind == "json_schema" else kind: value})
 
 
-def _prompt(req, which: str | None, engine, tools=None) -> str | list[int]:
-    """The text as is (the engine tokenizes it), the token ids, or the messages through the chat template."""
+def _prompt(req, which: str | None, engine) -> str | list[int]:
+    """The text as is (the engine tokenizes it), the token ids, or the messages through the chat template
+    (a whole request's messages go through the chat layer's chat_request instead)."""
     if which is None:
         raise InvalidRequestError("prompt", "must be set: one of text, token_ids, messages, prompts")
     if which == "text":
         return req.text
     if which == "token_ids":
         return list(req.token_ids.ids)
-    msgs = req.messages.messages
+    try:
+        return render(engine, _messages(req.messages.messages))
+    except InvalidRequestError as e:
+        raise _in_messages(e) from None
+
+
+def _in_messages(e: InvalidRequestError) -> InvalidRequestError:
+    """The template's check of a message (messages[0].content) under the request's name for it."""
+    return e.renamed("messages." + e.field) if e.field.startswith("messages[") else e
+
+
+def _messages(msgs) -> list[dict]:
+    """The request's messages as the chat template's dicts, checked."""
     if not msgs:
         raise InvalidRequestError("messages.messages", "must not be empty")
     for i, m in enumerate(msgs):
@@ -204,15 +217,7 @@ def _prompt(req, which: str | None, engine, tools=None) -> str | list[int]:
         f"messages.messages[{i}]", m.role, m.tool_call_id if m.HasField("tool_call_id") else None,
         [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
          for c in m.tool_calls])} for i, m in enumerate(msgs)]
-    try:
-        ids = list(engine.apply_chat_template(messages, tools))
-    except InvalidRequestError as e:
-        raise e.renamed(f"messages.{e.field}") from None
-    except Exception as e:  # no template, a role the template rejects, ...: the request's fault
-        raise InvalidRequestError("messages", f"cannot be rendered with the model's chat template: {e}") from e
-    if not ids:
-        raise InvalidRequestError("messages", "rendered to an empty prompt")
-    return ids
+    return messages
 
 
 def finish_reason(out, calls=()) -> int:
@@ -258,14 +263,9 @@ def tool_call_deltas(deltas) -> list[pb.ToolCallDelta]:
                              arguments=d.arguments) for d in deltas if d.first or d.arguments]
 
 
-def answer_stream(req) -> AnswerStream | None:
-    """A streamed completion's reader of its tool calls and reasoning; None when it has neither."""
-    return AnswerStream(req) if req.tool_parsing is not None or req.reasoning is not None else None
-
-
 def stream_response(request_id: str, out, prompt_index: int = 0, answer=None) -> pb.GenerateStreamResponse:
     """One engine delta as a stream message; finish_reason and usage only on the last one. `answer`: the
-    completion's AnswerStream (engine/tools.py) when a chat request's tool calls or reasoning are read."""
+    completion's AnswerStream (server/chat/tools.py) when a chat request's tool calls or reasoning are read."""
     new = answer.feed(out.text, out.finished) if answer is not None else None
     msg = pb.GenerateStreamResponse(request_id=request_id, text=new.content if new else out.text,
                                     token_ids=out.token_ids, logprobs=logprobs(out.logprobs), index=out.index,
@@ -279,10 +279,10 @@ def stream_response(request_id: str, out, prompt_index: int = 0, answer=None) ->
     return msg
 
 
-def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResponse:
-    """One prompt's whole completions (finished outputs, by index) as a GenerateResponse; with
-    `prompt_text` (echo) the prompt too."""
-    choices = [_choice(req, o) for o in outs]
+def response(req, outs: list, prompt_text: str | None = None, reader: AnswerReader = PLAIN) -> pb.GenerateResponse:
+    """One prompt's whole completions (finished outputs, by index) as a GenerateResponse, read by
+    `reader` (a chat's tool calls and reasoning); with `prompt_text` (echo) the prompt too."""
+    choices = [_choice(reader, o) for o in outs]
     total = usage(outs[0])
     total.completion_tokens = sum(o.num_generated_tokens for o in outs)
     prompt_lps = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
@@ -296,9 +296,9 @@ def response(req, outs: list, prompt_text: str | None = None) -> pb.GenerateResp
     return resp
 
 
-def _choice(req, o) -> pb.Choice:
-    """A whole completion; with tools, its calls apart from its text (engine/tools.py parses them)."""
-    answer = read_answer(req, o.text)
+def _choice(reader: AnswerReader, o) -> pb.Choice:
+    """A whole completion; with tools, its calls apart from its text (server/chat/ reads them)."""
+    answer = reader.read(o.text)
     return pb.Choice(index=o.index, text=answer.content, token_ids=o.token_ids,
                      finish_reason=finish_reason(o, answer.calls),
                      logprobs=logprobs(o.logprobs), tool_calls=tool_calls(answer.calls),

@@ -60,7 +60,7 @@ def _speculative_config(text: str):
 
 def _lora_module(text: str) -> tuple[str, str]:
     """One --lora-modules entry, NAME=PATH or vLLM's JSON {"name": NAME, "path": PATH}."""
-    from pagoda.engine.lora import parse_lora_modules  # torch only once the engine loads
+    from pagoda.engine.lora.adapters import parse_lora_modules  # torch only once the engine loads
 
     try:
         return parse_lora_modules([text])[0]

@@ -62,9 +62,9 @@ class ServerOptions:
     # observability
     metrics_port: int = 0  # 0: no metrics endpoint; -1: any free port (PagodaServer.metrics_port)
     metrics_host: str = "0.0.0.0"
-    # chat tools: the call format (engine/tools.py FORMATS); None: the chat template's
+    # chat tools: the call format (server/chat/tools.py FORMATS); None: the chat template's
     tool_call_parser: str | None = None
-    # reasoning models: read <think>...</think> apart (engine/reasoning.py PARSERS); None: when the template has it
+    # reasoning models: read <think>...</think> apart (server/chat/reasoning.py PARSERS); None: when the template has it
     reasoning_parser: str | None = None
 
     def __post_init__(self):
@@ -103,7 +103,7 @@ class ServerOptions:
         if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
         if self.tool_call_parser is not None:
-            from pagoda.engine.tools import FORMATS  # noqa: PLC0415 - the engine's formats, not imported at startup
+            from pagoda.server.chat.tools import FORMATS  # noqa: PLC0415 - the engine's formats, not imported at startup
 
             if self.tool_call_parser not in FORMATS:
                 raise ValueError(f"tool_call_parser must be one of {', '.join(FORMATS)}, got {self.tool_call_parser!r}")

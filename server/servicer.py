@@ -22,7 +22,7 @@ import logging
 
 import grpc
 
-from pagoda.engine.async_engine import whole_outputs
+from pagoda.engine.frontend.async_engine import whole_outputs
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.validation import MAX_REQUEST_ID_LEN, new_request_id
 from pagoda.server import convert
@@ -135,8 +135,8 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
                 record.finish(code.name, metrics, state.tracing)
 
     async def _open(self, engine, request, context, record, stack):
-        """The request's EngineRequests (one per prompt) and their (prompt index, delta) pairs
-        (server/calls.py: the time limit; `stack` aborts what has not finished)."""
+        """The request's EngineRequests (one per prompt), their AnswerReader and their (prompt index, delta)
+        pairs (server/calls.py: the time limit; `stack` aborts what has not finished)."""
         state = self.state
         rid = request.request_id or _metadata_request_id(context) or new_request_id()
         record.request_id = rid[:MAX_REQUEST_ID_LEN]
@@ -144,12 +144,12 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
             await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
         # rendering and tokenizing a long text, or compiling a structured output, takes a while
         if _prompt_chars(request) > LARGE_PROMPT_CHARS or request.HasField("structured_output") or request.tools:
-            reqs = await asyncio.to_thread(convert.to_engine_requests, request, engine, state.limits, rid,
-                                           state.options)
+            reqs, reader = await asyncio.to_thread(convert.to_engine_requests, request, engine, state.limits, rid,
+                                                   state.options)
         else:
-            reqs = convert.to_engine_requests(request, engine, state.limits, rid, state.options)
+            reqs, reader = convert.to_engine_requests(request, engine, state.limits, rid, state.options)
         state.check_call_size(len(reqs), "prompts")
-        return reqs, open_requests(state, engine, reqs, record, stack, rid)
+        return reqs, reader, open_requests(state, engine, reqs, record, stack, rid)
 
     def _record(self, method: str, context):
         from pagoda.server.metrics import RequestRecord
@@ -164,13 +164,13 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
     async def Generate(self, request, context):
         record = self._record("Generate", context)
         async with self._call(context, "Generate", request, record) as engine, contextlib.AsyncExitStack() as stack:
-            reqs, outputs = await self._open(engine, request, context, record, stack)
+            reqs, reader, outputs = await self._open(engine, request, context, record, stack)
             by_prompt: dict[int, list] = {}
             for i, out in await whole_outputs(outputs):
                 by_prompt.setdefault(i, []).append(out)
             if len(by_prompt) != len(reqs):
                 raise RuntimeError("the engine ended a request without a final output")
-            responses = [convert.response(r, by_prompt[i], engine.prompt_text(r) if request.echo else None)
+            responses = [convert.response(r, by_prompt[i], engine.prompt_text(r) if request.echo else None, reader)
                          for i, r in enumerate(reqs)]
             if request.WhichOneof("prompt") != "prompts":
                 return responses[0]
@@ -181,13 +181,13 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
         record = self._record("GenerateStream", context)
         async with self._call(context, "GenerateStream", request, record) as engine, \
                 contextlib.AsyncExitStack() as stack:
-            reqs, outputs = await self._open(engine, request, context, record, stack)
+            reqs, reader, outputs = await self._open(engine, request, context, record, stack)
             started: set[int] = set()  # prompts whose first message went out
             answers = {}  # (prompt, completion) -> its AnswerStream, when its calls or reasoning are read
             async for i, out in outputs:
                 first = i not in started
                 if (i, out.index) not in answers:
-                    answers[i, out.index] = convert.answer_stream(reqs[i])
+                    answers[i, out.index] = reader.stream()
                 stream = answers[i, out.index]
                 if out.token_ids or out.text or out.finished or (first and out.prompt_logprobs is not None):
                     msg = convert.stream_response(reqs[i].request_id, out, i, stream)

@@ -6,7 +6,7 @@ prefix from the cache, and after preemptions. `scenarios` gives each probe's out
 import random
 
 from pagoda.engine import LLM, SamplingParams
-from pagoda.engine.structured import StructuredOutputs
+from pagoda.engine.structured.manager import StructuredOutputs
 
 MAX_NEW = 8
 CHOICE = StructuredOutputs(choice=("yes", "no", "maybe so"))

@@ -290,7 +290,7 @@ def test_a_model_that_cannot_load_raises_its_own_error(tmp_path, transport):
 def test_output_kinds_deltas_whole_and_folded_agree(engine):
     """The core's whole-output mode (stream=False: one output per choice, when it finishes) and
     deltas folded by whole_outputs give the doors the same completions."""
-    from pagoda.engine.async_engine import merge_streams, whole_outputs
+    from pagoda.engine.frontend.async_engine import merge_streams, whole_outputs
 
     params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, ignore_eos=True, logprobs=True)
 

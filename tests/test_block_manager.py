@@ -1,9 +1,9 @@
 """BlockManager over integers: exact block ids, ref counts, the prefix cache's eviction order."""
 import pytest
 
-from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.core.block_manager import BlockManager
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.sequence import Sequence
+from pagoda.engine.core.sequence import Sequence
 
 
 def seq(name, n_prompt, max_tokens=8, priority=0):

@@ -1,11 +1,12 @@
-"""The core's output processor (engine/core_outputs.py) on its own: deltas with the stop-string
+"""The core's output processor (engine/core/core_outputs.py) on its own: deltas with the stop-string
 hold-back, whole outputs, a failed sequence; and the one finish-reason map both doors use."""
 import pytest
 
-from pagoda.engine.core_outputs import sendable_end, step_outputs
+from pagoda.engine.core.core_outputs import sendable_end, step_outputs
 from pagoda.engine.outputs import FINISH_REASONS, RequestOutput, TokenLogprob, merge
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagoda.engine.core.sequence import Sequence, SequenceStatus
+from pagoda.engine.outputs import FinishReason
 from pagoda.server import convert
 from pagoda.v1 import generation_pb2 as pb
 

@@ -77,7 +77,7 @@ def test_greedy_matches_transformers(checkpoint, family, backend):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_greedy_matches_transformers_with_either_cpu_linear_kernel(checkpoint, family, cpu_linear):
     from pagoda.engine.layers.deterministic import PackedLinear
-    from pagoda.engine.parallel import Linear
+    from pagoda.engine.executor.parallel import Linear
 
     llm = _check(checkpoint(family), dict(num_kv_blocks=128, cpu_linear=cpu_linear, device="cpu"))
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
@@ -152,7 +152,7 @@ def test_greedy_matches_with_many_sequences_of_mixed_lengths(checkpoint, backend
 def test_padded_decode_path_of_cuda_graphs(checkpoint):
     """The decode-graph path (persistent buffers, batches padded to a bucket) run eagerly on CPU:
     same tokens as transformers. On CUDA the same path is captured and replayed."""
-    from pagoda.engine.cuda_graphs import DecodeGraphs
+    from pagoda.engine.executor.cuda_graphs import DecodeGraphs
 
     path = checkpoint("qwen3")
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_model_len=256)

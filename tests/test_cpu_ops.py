@@ -363,7 +363,7 @@ def test_panel_linear_matches_torch_and_the_few_row_op(out_features, in_features
 def test_float32_packed_layers_take_the_panels_below_their_rows():
     """pack_linears_ with the CPU ops: a float32 layer keeps oneDNN's copy and a panel copy (no float
     weight); up to the panels' rows through the panels, above through oneDNN."""
-    from pagoda.engine import parallel
+    from pagoda.engine.executor import parallel
     from pagoda.engine.layers import deterministic
 
     layer = parallel.Linear(64, 48, bias=True)
@@ -384,7 +384,7 @@ def test_float32_packed_layers_take_the_panels_below_their_rows():
 
 def test_float32_models_take_the_few_row_linear_below_its_limit(monkeypatch):
     """parallel.Linear with the CPU ops bound: up to FEW_ROWS rows through the op, more through torch."""
-    from pagoda.engine import parallel
+    from pagoda.engine.executor import parallel
 
     layer = parallel.Linear(64, 48, bias=True)
     layer.fused_ops = cpu_ops
@@ -515,8 +515,8 @@ def test_decoder_layer_op_is_bitwise_the_layer_op_by_op(checkpoint, family, opti
     from Python, on a step with decodes, a prompt chunk and a multi-token query over cached context, in
     the first layer (no residual yet) and a later one: output, residual and KV cache all bitwise equal."""
     from pagoda.engine import LLM, SamplingParams
-    from pagoda.engine.scheduler import SchedulerOutput
-    from pagoda.engine.sequence import BlockTable, Sequence
+    from pagoda.engine.core.scheduler import SchedulerOutput
+    from pagoda.engine.core.sequence import BlockTable, Sequence
 
     options = {"dtype": "float32", **options}
     runner = LLM(checkpoint(family), num_kv_blocks=16, block_size=4, **options).engine.runner

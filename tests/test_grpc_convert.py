@@ -8,7 +8,8 @@ from pagoda.client.client import build_request
 from pagoda.engine.errors import (DuplicateRequestError, EngineClosedError, EngineError, InvalidRequestError,
                                   QueueFullError)
 from pagoda.engine.outputs import ModelInfo, RequestOutput, TokenLogprob
-from pagoda.engine.validation import ModelLimits, make_request
+from pagoda.engine.inputs import make_request
+from pagoda.engine.validation import ModelLimits
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.server import convert
 from pagoda.server.state import status_for
@@ -30,7 +31,7 @@ class Engine:
         return make_request(prompt, params, model=ModelLimits(INFO.vocab_size, INFO.max_model_len),
                             tokenizer=TOKENIZER, request_id=request_id, priority=priority, **kw)
 
-    def apply_chat_template(self, msgs, tools=None):
+    def apply_chat_template(self, msgs, tools=None, template_kwargs=None):
         return [258] + [b for m in msgs for b in m["content"].encode()]
 
 

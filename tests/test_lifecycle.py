@@ -158,7 +158,7 @@ def test_an_install_without_triton_serves_on_cpu(tmp_path, monkeypatch, caplog):
     """triton is a test extra (PyPI's CUDA torch brings its own): a CPU install has none, and must not need it."""
     import sys
 
-    from pagoda.engine.model_runner import attention_backend
+    from pagoda.engine.executor.model_runner import attention_backend
 
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['triton'] = None  # as if not installed\n")
     env = {"PYTHONPATH": str(tmp_path)}  # the server and its engine process alike

@@ -1,4 +1,4 @@
-"""LoRA adapters (engine/lora.py), offline: PEFT itself is the oracle. Adapters are made locally with
+"""LoRA adapters (engine/lora/adapters.py), offline: PEFT itself is the oracle. Adapters are made locally with
 PEFT on the tiny checkpoints (B set to random non-zero values: PEFT initialises it to zero), and
 transformers + PEFT greedy float32 output must be token-identical to pagoda's, per adapter alone and
 in one batch mixing adapters and the base model."""
@@ -270,7 +270,7 @@ def test_refusals_name_the_field(adapters, tmp_path):
 
 
 def test_lora_modules_forms(adapters):
-    from pagoda.engine.lora import parse_lora_modules
+    from pagoda.engine.lora.adapters import parse_lora_modules
     assert parse_lora_modules(["a=/p", '{"name": "b", "path": "/q"}']) == (("a", "/p"), ("b", "/q"))
     assert parse_lora_modules({"a": "/p"}) == (("a", "/p"),)
 
@@ -315,7 +315,7 @@ def test_speculative_decoding_and_structured_outputs_with_adapters(adapters):
 
 
 def test_step_rows_grouped_by_slot_without_sorting():
-    from pagoda.engine.lora import step_slots
+    from pagoda.engine.lora.adapters import step_slots
     # sequences' slots and query rows: rows 0 | 1 (base) | 2 3 4 | 5 | 6 7 | 8
     step = step_slots([0, -1, 2, 0, 2, 1], [1, 1, 3, 1, 2, 1])
     assert step.slots == (0, 1, 2) and step.width == 5 and step.num_rows == 8
@@ -345,7 +345,7 @@ def test_cpu_op_equals_batched_matmuls(dtype):
     fused layer (3 slices, uneven), rows of several slots interleaved with base rows, a prefill-sized
     run of one slot and a slot whose layer has no update."""
     from pagoda.engine.layers import cpu_ops
-    from pagoda.engine.lora import LoRAModel, LoRASlots, StepState, step_slots
+    from pagoda.engine.lora.adapters import LoRAModel, LoRASlots, StepState, step_slots
     if not cpu_ops.is_available("cpu")[0]:
         pytest.skip("pagoda's CPU ops are not built here")
     torch.manual_seed(0)

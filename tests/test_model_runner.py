@@ -3,8 +3,8 @@ import pytest
 
 from pagoda.engine import LLM
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import SchedulerOutput
-from pagoda.engine.sequence import BlockTable, Sequence
+from pagoda.engine.core.scheduler import SchedulerOutput
+from pagoda.engine.core.sequence import BlockTable, Sequence
 
 
 @pytest.fixture(scope="module")

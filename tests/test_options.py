@@ -171,7 +171,8 @@ def test_a_lone_surrogate_in_an_option_names_it(kw, field):
 
 
 def test_a_lone_surrogate_in_a_request_names_it(llm):
-    from pagoda.engine.validation import check_messages, make_request
+    from pagoda.engine.inputs import make_request
+    from pagoda.engine.validation import check_messages
 
     with pytest.raises(InvalidRequestError) as e:
         llm.generate(["fine", LONE], SamplingParams())

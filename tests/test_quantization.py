@@ -13,7 +13,7 @@ from grpc_fixtures import InProcessServer, engine_config, tiny_checkpoint
 from pagoda.client.client import Client
 from pagoda.engine import LLM, EngineConfig, SamplingParams
 from pagoda.engine.layers import quantization as qz
-from pagoda.engine.parallel import Linear
+from pagoda.engine.executor.parallel import Linear
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +35,7 @@ def test_int8_linear_equals_a_float_matmul_of_the_dequantized_weight(rows, gemm_
     layer = Linear(96, 2 * qz.CHUNK_ROWS + 40, bias=True)  # several dequantized chunks, a partial one
     x = torch.randn(rows, 96)
     ref_w = copy.deepcopy(layer)
-    assert qz.quantize_model_(layer, "int8") == 1 and layer.weight is None
+    assert qz.quantize_model_(layer, "int8", Linear) == 1 and layer.weight is None
     layer.gemm_dtype = gemm_dtype
     ref = F.linear(x, layer.qweight.float() * layer.scales.float()[:, None], ref_w.bias)
     out = layer(x)
@@ -46,7 +46,7 @@ def test_int8_linear_equals_a_float_matmul_of_the_dequantized_weight(rows, gemm_
 
 def test_a_layer_the_kernel_cannot_take_stays_float():
     layer = Linear(24, 8, bias=False)  # the kernel needs input features in multiples of 16
-    assert qz.quantize_model_(layer, "int8") == 0
+    assert qz.quantize_model_(layer, "int8", Linear) == 0
     assert layer.qweight is None and layer.weight is not None
     x = torch.randn(3, 24)
     assert torch.equal(layer(x), F.linear(x, layer.weight))

@@ -1,4 +1,4 @@
-"""engine/reasoning.py: a reasoning model's <think>...</think> read apart from the answer (whole and
+"""server/chat/reasoning.py: a reasoning model's <think>...</think> read apart from the answer (whole and
 streamed alike, the tag opened in the answer or by the template), chat_template_kwargs' allow-list,
 and over HTTP (a Qwen3-style template): reasoning_content, and tool calls or a structured output
 constrained only after </think>."""
@@ -11,8 +11,8 @@ import pytest
 
 from grpc_fixtures import openai_client
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.reasoning import Reasoning, ReasoningStream, check_template_kwargs, reasoning_for
-from pagoda.engine.tools import check_tools, FORMATS, token_spelling
+from pagoda.server.chat.reasoning import Reasoning, ReasoningStream, check_template_kwargs, reasoning_for
+from pagoda.server.chat.tools import check_tools, FORMATS, token_spelling
 from tool_templates import build_tool_tokenizer, tool_server
 
 TEXTS = ["<think>\nLet me see: 東京.\n</think>\n\nIt is 12°C.", "<think>\ncut short", "Just an answer.", "",
@@ -90,8 +90,8 @@ def test_calls_are_constrained_only_after_the_reasoning(family):
 def test_a_structured_output_is_constrained_only_after_the_reasoning(family, kind, value, good, bad):
     """response_format (any constraint) of a reasoning request: the reasoning free, the answer after
     </think> constrained (tags as tokens, Qwen3, and as plain text)."""
-    from pagoda.engine.reasoning import after_reasoning
-    from pagoda.engine.structured import StructuredOutputs
+    from pagoda.server.chat.reasoning import after_reasoning
+    from pagoda.engine.structured.manager import StructuredOutputs
 
     tok = build_tool_tokenizer(family)
     so = after_reasoning(StructuredOutputs(**{kind: value}), Reasoning(), token_spelling(tok))

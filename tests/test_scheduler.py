@@ -2,10 +2,11 @@
 prefix cache's bookkeeping, and update_from_output's stop checks."""
 import pytest
 
-from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.core.block_manager import BlockManager
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import Scheduler, check_stop
-from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagoda.engine.core.scheduler import Scheduler, check_stop
+from pagoda.engine.core.sequence import Sequence, SequenceStatus
+from pagoda.engine.outputs import FinishReason
 
 
 

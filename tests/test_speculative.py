@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py): n-gram proposals verified by the target in one
+"""Speculative decoding (engine/spec_decode/): n-gram proposals verified by the target in one
 forward. Greedy output is token-identical to no speculation and to transformers; sampled output
 is distributed exactly as the target's; rejected proposals leave no KV block behind."""
 import json
@@ -14,7 +14,8 @@ from pagoda.engine import LLM, EngineConfig, SamplingParams
 from pagoda.engine.config import SpeculativeConfig
 from pagoda.engine.demo import DEMO_CONFIG, build_tiny_checkpoint
 from pagoda.engine.layers.sampler import Sampler, SamplingTensors
-from pagoda.engine.speculative import NgramProposer, accepted_tokens
+from pagoda.engine.spec_decode.acceptance import accepted_tokens
+from pagoda.engine.spec_decode.proposers import NgramProposer
 from sp_tokenizer import build_sentencepiece_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
@@ -427,7 +428,7 @@ def test_doors_report_the_config_and_the_counts():
 # ---- switch-off rules ----
 
 def _decode_step(seqs):
-    from pagoda.engine.scheduler import SchedulerOutput
+    from pagoda.engine.core.scheduler import SchedulerOutput
 
     for s in seqs:
         s.num_computed_tokens = s.num_tokens - 1
@@ -435,14 +436,14 @@ def _decode_step(seqs):
 
 
 def _seqs(n):
-    from pagoda.engine.sequence import Sequence
+    from pagoda.engine.core.sequence import Sequence
 
     params = SamplingParams(temperature=0, max_tokens=100)
     return [Sequence(str(i), [1, 2, 3, 1, 2, 3, 1, 2], params) for i in range(n)]
 
 
 def test_no_speculation_in_a_step_with_more_sequences_than_disable_by_batch_size():
-    from pagoda.engine.speculative import Speculator
+    from pagoda.engine.spec_decode.proposers import Speculator
 
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=3), max_model_len=512)
     assert spec.propose(_decode_step(_seqs(3))) == [[3, 1]] * 3
@@ -450,7 +451,7 @@ def test_no_speculation_in_a_step_with_more_sequences_than_disable_by_batch_size
 
 
 def test_a_sequence_with_poor_recent_acceptance_pauses_longer_each_time():
-    from pagoda.engine.speculative import PAUSE_STEPS, Speculator
+    from pagoda.engine.spec_decode.proposers import PAUSE_STEPS, Speculator
 
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=2, min_acceptance_rate=0.3), max_model_len=512)
     seqs = _seqs(2)
@@ -477,7 +478,7 @@ def test_a_sequence_with_poor_recent_acceptance_pauses_longer_each_time():
 
 
 def test_structured_requests_do_not_speculate_beside_those_that_do(checkpoint):
-    from pagoda.engine.structured import StructuredOutputs
+    from pagoda.engine.structured.manager import StructuredOutputs
 
     path, prompts = checkpoint("llama"), _prompts(256)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3 + [
@@ -492,9 +493,10 @@ def test_structured_requests_do_not_speculate_beside_those_that_do(checkpoint):
 
 
 def test_rollback_gives_back_rejected_slots_and_caches_only_verified_tokens():
-    from pagoda.engine.block_manager import BlockManager
-    from pagoda.engine.scheduler import Scheduler
-    from pagoda.engine.sequence import FinishReason, Sequence
+    from pagoda.engine.core.block_manager import BlockManager
+    from pagoda.engine.core.scheduler import Scheduler
+    from pagoda.engine.core.sequence import Sequence
+    from pagoda.engine.outputs import FinishReason
 
     bm = BlockManager(num_blocks=8, block_size=4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
@@ -593,7 +595,7 @@ def test_draft_with_steps_alternating_between_speculating_and_not(checkpoint, dr
     # again, the draft catching up over the tokens the target computed without it; then a prompt whose
     # blocks the target computed alone is a prefix-cache hit the draft recomputes. Token-identical, and an
     # identical draft still has every proposal accepted.
-    from pagoda.engine.validation import make_request
+    from pagoda.engine.inputs import make_request
 
     path, prompts = checkpoint("llama"), _prompts(256, seed=2)
     expected = _reference(path, prompts, max_new=40)

@@ -1,4 +1,4 @@
-"""Structured outputs (engine/structured.py, llguidance): with tiny random-weight models, which never
+"""Structured outputs (engine/structured/manager.py, llguidance): with tiny random-weight models, which never
 write JSON unconstrained, every completion that finishes with `stop` parses and validates against
 its JSON schema (the `jsonschema` package), full-matches its regex or is one of its choices; greedy
 and sampled, n > 1, constrained and free sequences in one batch, both tokenizer kinds. Greedy
@@ -24,7 +24,7 @@ from pagoda.client.client import Client
 from pagoda.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.structured import StructuredOutputs
+from pagoda.engine.structured.manager import StructuredOutputs
 from pagoda.server.options import ServerOptions
 from sp_tokenizer import build_sentencepiece_tokenizer
 from structured_cases import CHOICES, GRAMMAR, REGEXES, SCHEMAS
@@ -341,8 +341,9 @@ def test_the_manager_advances_and_rolls_back_a_sequences_matcher(checkpoint):
     its grammar's template, gets its own matcher, whose bitmask allows what the grammar allows next;
     accepted tokens advance it, rollback undoes them, the grammar's end finishes the sequence."""
     from pagoda.engine.loader import load_hf_config, load_tokenizer
-    from pagoda.engine.sequence import FinishReason, Sequence
-    from pagoda.engine.structured import StructuredOutputManager
+    from pagoda.engine.core.sequence import Sequence
+    from pagoda.engine.outputs import FinishReason
+    from pagoda.engine.structured.manager import StructuredOutputManager
 
     path = checkpoint("llama")
     manager = StructuredOutputManager(load_tokenizer(path), load_hf_config(path).vocab_size, [2])
@@ -383,8 +384,8 @@ def test_masks_begun_at_the_steps_start_are_the_ones_the_sampler_gets(checkpoint
     """start_bitmasks fills a step's masks on a thread (while the model runs); bitmasks joins them for
     that very list of sequences, and for any other list joins them first, then fills its own."""
     from pagoda.engine.loader import load_hf_config, load_tokenizer
-    from pagoda.engine.sequence import Sequence
-    from pagoda.engine.structured import StructuredOutputManager
+    from pagoda.engine.core.sequence import Sequence
+    from pagoda.engine.structured.manager import StructuredOutputManager
 
     path = checkpoint("llama")
     manager = StructuredOutputManager(load_tokenizer(path), load_hf_config(path).vocab_size, [2])

@@ -17,7 +17,7 @@ from grpc_fixtures import InProcessServer, ServeProcess, assert_all_gone, engine
 from pagoda.client.client import Client
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
-from pagoda.engine.workers import process_group
+from pagoda.engine.executor.workers import process_group
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -78,7 +78,7 @@ def test_grpc_with_two_ranks(checkpoint):
 
 
 def _rank_pids(server_pid: int) -> list[int]:
-    """Processes running `pagoda.engine.workers` below the server (its engine process's children)."""
+    """Processes running `pagoda.engine.executor.rank` below the server (its engine process's children)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -92,7 +92,7 @@ def _rank_pids(server_pid: int) -> list[int]:
                 grandparent = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"pagoda.engine.workers" in cmd and server_pid in (ppid, grandparent):
+        if b"pagoda.engine.executor.rank" in cmd and server_pid in (ppid, grandparent):
             pids.append(int(entry))
     return pids
 
@@ -161,7 +161,7 @@ def test_serve_refuses_a_size_that_does_not_divide_in_one_line(checkpoint):
 
 def test_prompt_logprobs_and_structured_outputs_with_two_ranks(checkpoint):
     """The logits calls a step makes beyond sampling (prompt scoring, chunk by chunk) reach every rank."""
-    from pagoda.engine.structured import StructuredOutputs
+    from pagoda.engine.structured.manager import StructuredOutputs
 
     params = [SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2),
               SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputs(regex="[a-z]{3}-[0-9]{2}"))]

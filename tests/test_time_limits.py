@@ -16,11 +16,12 @@ import pytest
 from grpc_fixtures import InProcessServer, openai_client, slow_steps, tiny_checkpoint, wait_all_blocks_free
 from pagoda.client.client import Client
 from pagoda.engine import LLM, AsyncEngine, EngineConfig, SamplingParams
-from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.core.block_manager import BlockManager
 from pagoda.engine.errors import InvalidRequestError, QueueWaitError
 from pagoda.engine.outputs import EngineStats
-from pagoda.engine.scheduler import Scheduler
-from pagoda.engine.sequence import FinishReason, Sequence
+from pagoda.engine.core.scheduler import Scheduler
+from pagoda.engine.core.sequence import Sequence
+from pagoda.engine.outputs import FinishReason
 from pagoda.server.options import ServerOptions
 from pagoda.v1 import generation_pb2 as pb
 from pagoda.v1 import generation_pb2_grpc as pb_grpc

@@ -1,4 +1,4 @@
-"""engine/tools.py: each format's grammar takes its own calls (fixed separators, no free whitespace)
+"""server/chat/tools.py: each format's grammar takes its own calls (fixed separators, no free whitespace)
 and refuses anything else; scanning returns the calls of a tool (one cut short last, not complete,
 as far as it was written), and scanning a stream piece by piece gives what scanning the whole does,
 each call's id and name first and its arguments in pieces; tools,
@@ -10,7 +10,7 @@ import llguidance.hf
 import pytest
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.tools import FORMATS, ToolStream, check_tools, detect, ends_in_calls, token_spelling, tool_format
+from pagoda.server.chat.tools import FORMATS, ToolStream, check_tools, detect, ends_in_calls, token_spelling, tool_format
 from tool_templates import FAMILIES, build_tool_tokenizer
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "tags": {"type": "array", "items": {
@@ -166,9 +166,9 @@ def test_auto_watches_for_the_trigger_unmasked_then_constrains_the_call(trigger_
     token, and with it plain text spread over tokens); from the trigger on the call is constrained,
     and the text before it is content."""
     from pagoda.engine.sampling_params import SamplingParams
-    from pagoda.engine.sequence import FinishReason
-    from pagoda.engine.structured import StructuredOutputManager
-    from pagoda.engine.tools import constrain
+    from pagoda.engine.outputs import FinishReason
+    from pagoda.engine.structured.manager import StructuredOutputManager
+    from pagoda.server.chat.tools import constrain
     from pagoda.engine.demo import build_byte_tokenizer
 
     tok = build_tool_tokenizer("qwen") if trigger_is_token else build_byte_tokenizer()

@@ -181,7 +181,7 @@ def prepare_model_(model: torch.nn.Module, dtype: torch.dtype, fused_ops) -> Non
     """Every linear layer through BatchInvariantLinear (its float weight dropped unless an embedding shares
     it), row-parallel sums in rank order, the fused norms and SiLU in every dtype (the model runner binds
     them for float32; torch's rotary in other dtypes is products and sums, alike for every row)."""
-    from pagoda.engine import parallel
+    from pagoda.engine.executor import parallel
     from pagoda.engine.layers.rotary import RotaryEmbedding
     for m in model.modules():
         if hasattr(type(m), "fused_ops") and not isinstance(m, RotaryEmbedding):
@@ -206,7 +206,7 @@ def pack_linears_(model: torch.nn.Module, keep_weights: bool = False) -> int:
     for the few-row op (up to parallel.FEW_ROWS_PACKED rows): twice the weights' memory, for 1.1-2x on
     those calls. Layers oneDNN cannot pack (int8, float16, bf16 without AVX-512) keep torch's GEMM.
     Returns how many were packed."""
-    from pagoda.engine import parallel
+    from pagoda.engine.executor import parallel
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     count = 0
     for m in model.modules():

@@ -65,9 +65,9 @@ def int8_linear(x: torch.Tensor, layer) -> torch.Tensor:
     return y if layer.bias is None else y.add_(layer.bias)
 
 
-def quantize_model_(model: torch.nn.Module, quantization: str | None) -> int:
-    """Quantize every linear layer that can be, in place; returns how many were."""
-    from pagoda.engine.parallel import Linear
+def quantize_model_(model: torch.nn.Module, quantization: str | None, linear: type) -> int:
+    """Quantize every `linear` layer (engine/executor/parallel.py Linear) that can be, in place; returns
+    how many were."""
     if quantization is None:
         return 0
     # many rows: dequantize to bfloat16 where the CPU computes in it natively (AVX512-BF16, AMX), else
@@ -75,12 +75,12 @@ def quantize_model_(model: torch.nn.Module, quantization: str | None) -> int:
     gemm_dtype = torch.bfloat16 if native_bf16() else torch.float32
     count = skipped = 0
     for m in model.modules():
-        if isinstance(m, Linear) and can_quantize(m):
+        if isinstance(m, linear) and can_quantize(m):
             m.qweight, m.scales = quantize_int8(m.weight)
             m.gemm_dtype = gemm_dtype
             m.weight = None  # a tied head's rows stay with the embedding
             count += 1
-        elif isinstance(m, Linear):
+        elif isinstance(m, linear):
             skipped += 1
     log.info("int8 weight-only: %d linear layers quantized%s", count,
              f", {skipped} kept in float (input size not a multiple of {_K_MULTIPLE})" if skipped else "")

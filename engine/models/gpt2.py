@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from pagoda.engine import parallel
+from pagoda.engine.executor import parallel
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 
 

@@ -8,9 +8,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.reasoning import check_template_kwargs, reasoning_for
-from pagoda.engine.tools import (AnswerStream, check_tools, constrain, ends_in_calls, message_tool_fields, read_answer,
-                                 tool_format, with_parsing)
+from pagoda.server.chat.reasoning import check_template_kwargs
+from pagoda.server.chat.requests import chat_request, render
+from pagoda.server.chat.tools import check_tools, ends_in_calls, message_tool_fields
 from pagoda.server.openai.protocol import ChatMessage, ChatRequest, sampling_params
 from pagoda.server.openai.serving import Call, Serving, usage
 
@@ -23,28 +23,27 @@ class Chat:
         return await self.serving.generate(body, request, "chatcmpl-", partial(self.requests, body),
                                            partial(_whole, body), partial(_chunks, body))
 
-    def requests(self, body: ChatRequest, engine, rid: str) -> list:
-        """The chat request's EngineRequest (also the Responses API's, as a chat request)."""
+    def requests(self, body: ChatRequest, engine, rid: str) -> tuple:
+        """The chat request's EngineRequest and AnswerReader (also the Responses API's, as a chat request)."""
         # max_completion_tokens (OpenAI's newer name) wins where both are given, as in vLLM
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs and not body.logprobs:
             raise InvalidRequestError("top_logprobs", "needs logprobs: true")
         params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        fmt = tools and tool_format(engine.tokenizer, self.serving.state.options.tool_call_parser)
-        options = self.serving.state.options
-        template_kwargs = check_template_kwargs(body.chat_template_kwargs)
-        ids = render_chat(engine, body.messages, tools and tools.tools, template_kwargs)
-        reasoning = reasoning_for(engine.tokenizer, ids, options.reasoning_parser)
-        params, parsing = constrain(tools, fmt, params, engine.tokenizer, reasoning)
-        return [with_parsing(lambda: engine.make_request(ids, params, f"{rid}-0", body.priority or 0,
-                                                         limits=self.serving.state.limits), parsing, reasoning)]
+        options, limits = self.serving.state.options, self.serving.state.limits
+        make = lambda ids, p: engine.make_request(ids, p, f"{rid}-0", body.priority or 0, limits=limits)  # noqa: E731
+        req, reader = chat_request(engine, _chat_messages(body.messages), params, make, tools=tools,
+                                   tool_call_parser=options.tool_call_parser,
+                                   reasoning_parser=options.reasoning_parser,
+                                   template_kwargs=check_template_kwargs(body.chat_template_kwargs))
+        return [req], reader
 
 
 def _whole(body: ChatRequest, call: Call, outs: list) -> dict:
     choices = []
     for _, out in outs:
-        answer = read_answer(call.reqs[0], out.text)
+        answer = call.reader.read(out.text)
         message = {"role": "assistant", "content": answer.content if answer.content or not answer.calls else None,
                    "refusal": None}
         if answer.reasoning is not None:
@@ -74,14 +73,12 @@ async def _chunks(body: ChatRequest, call: Call, outputs):
         yield {**head, "choices": [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}]}
     lasts, streams = {}, {}
-    req = call.reqs[0]
-    for_answer = req.tool_parsing is not None or req.reasoning is not None
     async for _, out in outputs:
         first = out.index not in lasts
         lasts[out.index] = out
         delta, finish = {"content": out.text} if out.text else {}, out.finish_reason
-        if for_answer:
-            stream = streams.setdefault(out.index, AnswerStream(req))
+        if call.reader.reads:
+            stream = streams.setdefault(out.index, call.reader.stream())
             answer = stream.feed(out.text, out.finished)
             delta = {k: v for k, v in (("reasoning_content", answer.reasoning), ("content", answer.content)) if v}
             finish = "tool_calls" if finish == "stop" and ends_in_calls(stream.calls) else finish
@@ -114,15 +111,9 @@ def _with_extras(body: ChatRequest, call: Call, out, choice: dict) -> dict:
 _TEMPLATE_ROLE = {"developer": "system", "system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def render_chat(engine, messages: list[ChatMessage], tools: list | None = None,
-                template_kwargs: dict | None = None) -> list[int]:
-    """A conversation's prompt token ids, through the model's chat template (with the tools, as sent)."""
-    try:
-        return engine.apply_chat_template(_chat_messages(messages), tools, template_kwargs)
-    except InvalidRequestError:
-        raise
-    except Exception as e:  # no template, a role the template refuses, ...
-        raise InvalidRequestError("messages", f"cannot be rendered with the model's chat template: {e}") from e
+def render_chat(engine, messages: list[ChatMessage], tools: list | None = None) -> list[int]:
+    """A conversation's prompt token ids, through the model's chat template (/tokenize)."""
+    return render(engine, _chat_messages(messages), tools)
 
 
 def _chat_messages(messages: list[ChatMessage]) -> list[dict]:

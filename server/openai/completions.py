@@ -8,6 +8,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.errors import InvalidRequestError
+from pagoda.server.chat.answer import PLAIN
 from pagoda.server.openai.logprobs import echoed
 from pagoda.server.openai.protocol import CompletionRequest, sampling_params
 from pagoda.server.openai.serving import Call, Serving, usage
@@ -21,7 +22,7 @@ class Completions:
         return await self.serving.generate(body, request, "cmpl-", partial(self._requests, body),
                                            partial(_whole, body), partial(_chunks, body))
 
-    def _requests(self, body: CompletionRequest, engine, rid: str) -> list:
+    def _requests(self, body: CompletionRequest, engine, rid: str) -> tuple:
         # echo with logprobs: the prompt's tokens come with theirs (the first one's null)
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
@@ -39,7 +40,7 @@ class Completions:
                     raise
                 name = f"prompt[{i}]" if several else "prompt"
                 raise e.renamed(name + e.field.removeprefix("prompt_token_ids").removeprefix("prompt")) from None
-        return reqs
+        return reqs, PLAIN
 
 
 def _whole(body: CompletionRequest, call: Call, outs: list) -> dict:

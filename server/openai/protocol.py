@@ -8,7 +8,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.structured import StructuredOutputs
+from pagoda.engine.structured.manager import StructuredOutputs
 
 
 def _whole_number(value):
@@ -137,7 +137,7 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    chat_template_kwargs: dict | None = None  # vLLM's: only engine/reasoning.py TEMPLATE_KWARGS (enable_thinking)
+    chat_template_kwargs: dict | None = None  # vLLM's: only server/chat/reasoning.py TEMPLATE_KWARGS (enable_thinking)
 
 
 class LoadLoRAAdapterRequest(_Fields):  # vLLM's POST /v1/load_lora_adapter

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.tools import AnswerStream, read_answer
+from pagoda.server.chat.answer import AnswerStream
 from pagoda.engine.validation import new_request_id
 from pagoda.server.openai.chat import Chat
 from pagoda.server.openai.errors import error_for
@@ -40,7 +40,7 @@ class Responses:
         return await self.serving.generate(chat, request, "resp_", partial(self._requests, chat),
                                            partial(_whole, body), partial(_events, body))
 
-    def _requests(self, chat: ChatRequest, engine, rid: str) -> list:
+    def _requests(self, chat: ChatRequest, engine, rid: str) -> tuple:
         """The chat path's requests; its errors under the Responses API's names for the fields."""
         try:
             return self.chat.requests(chat, engine, rid)
@@ -201,7 +201,7 @@ def _reasoning(item_id: str, text: str, status: str = "completed") -> dict:
 
 def _whole(body: ResponsesRequest, call: Call, outs: list) -> dict:
     (_, out), = outs
-    answer = read_answer(call.reqs[0], out.text)
+    answer = call.reader.read(out.text)
     output = [_reasoning("rs_" + new_request_id(), answer.reasoning)] if answer.reasoning else []
     output += [_message("msg_" + new_request_id(), answer.content)] if answer.content or not answer.calls else []
     output += [_function_call(c) for c in answer.calls]
@@ -219,7 +219,7 @@ async def _events(body: ResponsesRequest, call: Call, outputs):
     yield ev("response.in_progress", response=_response(body, call, "in_progress", []))
     output, text, msg, last, calls = [], "", None, None, {}  # calls: a call's index -> its output index
     thought, thinking = "", None  # the reasoning so far, its item while it grows
-    stream = AnswerStream(call.reqs[0])
+    stream = AnswerStream(call.reader)
     async for _, out in outputs:
         last = out
         answer = stream.feed(out.text, out.finished)

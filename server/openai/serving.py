@@ -15,9 +15,10 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagoda.engine.async_engine import whole_outputs
+from pagoda.engine.frontend.async_engine import whole_outputs
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.validation import new_request_id
+from pagoda.server.chat.answer import AnswerReader
 from pagoda.server.calls import open_requests
 from pagoda.server.openai import sse
 from pagoda.server.openai.errors import error_for
@@ -34,6 +35,7 @@ class Call:
     model: str
     engine: object
     reqs: list  # one EngineRequest per prompt
+    reader: AnswerReader  # how a chat completion's text is read back (server/chat/answer.py)
     logprobs: Logprobs
 
 
@@ -42,8 +44,8 @@ class Serving:
         self.state = state
 
     async def generate(self, body, request: Request, id_prefix: str, make, answer, chunks) -> Response:
-        """make(engine, call id) -> the call's EngineRequests (a refusal is an error response with its
-        status); then answer(call, whole outputs) -> the body, or with `stream`, the event stream of
+        """make(engine, call id) -> the call's EngineRequests and their AnswerReader (a refusal is an error
+        response with its status); then answer(call, whole outputs) -> the body, or with `stream`, the event stream of
         chunks(call, deltas), an async iterator of chunks."""
         from pagoda.server.metrics import RequestRecord
 
@@ -56,15 +58,16 @@ class Serving:
             engine = stack.enter_context(self.state.admit(generation=True))
             adapter = self.check_model(body.model)
             record.request_id = rid = id_prefix + new_request_id()
-            reqs = await self._make(body, make, engine, rid)
-            if adapter is not None:  # the model named is a LoRA adapter (engine/lora.py)
+            reqs, reader = await self._make(body, make, engine, rid)
+            if adapter is not None:  # the model named is a LoRA adapter (engine/lora/adapters.py)
                 reqs = [dataclasses.replace(r, adapter=adapter) for r in reqs]
             outputs = open_requests(self.state, engine, reqs, record, stack, rid)
         except Exception as e:
             self._finish(record, status_for(e)[0])
             await stack.aclose()
             return error_for(e)
-        call = Call(rid, int(time.time()), adapter or self.model_id(), engine, reqs, Logprobs(engine.vocab))
+        call = Call(rid, int(time.time()), adapter or self.model_id(), engine, reqs, reader,
+                    Logprobs(engine.vocab))
         if body.stream:
             return self._stream(chunks(call, outputs), record, stack, rid)
         return await self._whole(lambda outs: answer(call, outs), outputs, request, record, stack, rid)
@@ -90,7 +93,7 @@ class Serving:
             self._finish(record, code)
             await stack.aclose()
 
-    async def _make(self, body, make, engine, rid: str) -> list:
+    async def _make(self, body, make, engine, rid: str) -> tuple[list, AnswerReader]:
         try:
             return await asyncio.to_thread(make, engine, rid) if _big(body) else make(engine, rid)
         except InvalidRequestError as e:  # the compiler names the engine's field

@@ -3,11 +3,12 @@ import dataclasses
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.errors import EngineError, InvalidRequestError
-from pagoda.engine.core import EngineCore
+from pagoda.engine.core.engine_core import EngineCore
 from pagoda.engine.outputs import full_output
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.validation import ModelLimits, make_request
+from pagoda.engine.inputs import make_request
+from pagoda.engine.validation import ModelLimits
 
 
 class LLM:

@@ -247,7 +247,7 @@ class LoRAModel:
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device,
                  checkpoint: str):
-        from pagoda.engine.parallel import Linear, ParallelLMHead
+        from pagoda.engine.executor.parallel import Linear, ParallelLMHead
         self.model, self.max_rank, self.dtype = model, max_rank, dtype
         self.shapes = _checkpoint_shapes(model, checkpoint)  # checkpoint weight name -> (out, in), whole
         self.state = StepState()
@@ -345,7 +345,7 @@ def _cpu_ops_fit(device, dtype) -> bool:
 
 def targetable_modules(model) -> set[str]:
     """PEFT module names (the checkpoint's, e.g. q_proj) an adapter may target in this model."""
-    from pagoda.engine.parallel import Linear, ParallelLMHead
+    from pagoda.engine.executor.parallel import Linear, ParallelLMHead
     out = set()
     for name, m in model.named_modules():
         if isinstance(m, Linear) and not isinstance(m, ParallelLMHead):

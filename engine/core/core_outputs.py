@@ -8,7 +8,8 @@ may still turn out to be the start of a stop string is held back until it cannot
 sends what a stop string later cuts). A request that is not streamed gets one output per sequence,
 when it finishes, and its text is decoded once."""
 from pagoda.engine.outputs import FINISH_REASONS, RequestOutput
-from pagoda.engine.sequence import FinishReason, Sequence
+from pagoda.engine.core.sequence import Sequence
+from pagoda.engine.outputs import FinishReason
 
 # a finished completion's incomplete last character is flushed as U+FFFD; not at a stop string
 # (the text was cut before it), an abort or an error

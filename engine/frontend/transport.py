@@ -6,7 +6,7 @@ the time made offline generation 19% slower; another process busy 100% cost noth
 process owns the model and steps it; the parent keeps the tokenizer (requests are tokenized and
 checked before they are sent) and the per-request queues.
 
-Both transports run the same loop (run_core) over the same records (engine/core_io.py): commands
+Both transports run the same loop (run_core) over the same records (engine/core/core_io.py): commands
 in, reports out. A report reaches the front-end through `on_report`, called in the core's thread
 (in-thread) or in a receiver thread that reads the child's pipe.
 """
@@ -20,9 +20,9 @@ import threading
 from logging.handlers import QueueHandler, QueueListener
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core_io import (Abort, AdapterCommand, Closed, CoreFailed, CoreReady, EngineRequest, Queued,
+from pagoda.engine.core.core_io import (Abort, AdapterCommand, Closed, CoreFailed, CoreReady, EngineRequest, Queued,
                                    Shutdown, StepReport)
-from pagoda.engine.core_outputs import failed_output
+from pagoda.engine.core.core_outputs import failed_output
 from pagoda.engine.errors import EngineDeadError
 
 log = logging.getLogger("pagoda.engine")
@@ -90,7 +90,7 @@ class ThreadTransport:
     """The core in a thread of this process; it calls on_report itself."""
 
     def __init__(self, config: EngineConfig):
-        from pagoda.engine.core import EngineCore
+        from pagoda.engine.core.engine_core import EngineCore
 
         self.core = EngineCore(config)
         self.ready = ready_report(self.core)
@@ -225,7 +225,7 @@ def _child_main(config: EngineConfig, conn, logs, log_level: int) -> None:
     root = logging.getLogger()
     root.handlers[:] = [QueueHandler(logs)]
     root.setLevel(log_level)
-    from pagoda.engine.core import EngineCore
+    from pagoda.engine.core.engine_core import EngineCore
 
     try:
         core = EngineCore(config)

@@ -16,7 +16,7 @@ Pure Python over integers: no tensors here.
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pagoda.engine.sequence import BlockTable, Sequence
+from pagoda.engine.core.sequence import BlockTable, Sequence
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The records that pass between the front-end (engine/async_engine.py) and the engine core: the
+"""The records that pass between the front-end (engine/frontend/async_engine.py) and the engine core: the
 same objects whether the core runs in a thread or in a child process (pickled there). Commands
 go to the core; reports come back. RequestOutput (engine/outputs.py) is the per-sequence record."""
 from __future__ import annotations
@@ -26,11 +26,9 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     prompt_text: str | None = None  # the prompt as the caller wrote it, when given as whole text
-    grammar: str | None = None  # params.structured_outputs, compiled (engine/structured.py)
+    grammar: str | None = None  # params.structured_outputs, compiled (engine/structured/manager.py)
     grammar_compile_s: float | None = None  # how long compiling it took, just before arrival_time (traces)
-    tool_parsing: object = None  # engine/tools.py ToolParsing: how its output's tool calls are read back
-    reasoning: object = None  # engine/reasoning.py Reasoning: how its output's reasoning is read back
-    adapter: str | None = None  # a LoRA adapter's name (engine/lora.py); None: the base model
+    adapter: str | None = None  # a LoRA adapter's name (engine/lora/adapters.py); None: the base model
 
 
 @dataclass(frozen=True)

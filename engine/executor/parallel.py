@@ -131,7 +131,7 @@ class Linear(nn.Linear):
     batch_invariant = None
     packed = None  # engine/layers/deterministic.py PackedLinear: oneDNN over weights packed once (cpu_linear)
     panels = None  # engine/layers/cpu_ops.py PanelLinear (float32 beside `packed`): calls of a few rows
-    lora = None  # engine/lora.py LoRASlots: adapters' per-row updates, added to the output (before a reduce)
+    lora = None  # engine/lora/adapters.py LoRASlots: adapters' per-row updates, added to the output (before a reduce)
     fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32, bfloat16 on CPU): a few rows
 
     def forward(self, x):

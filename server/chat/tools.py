@@ -24,12 +24,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
 from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.structured.manager import StructuredOutputs, added_token_ids
 from pagoda.engine.validation import check_text
+from pagoda.server.chat import TOOL_CALL_PARSERS
+from pagoda.server.chat.reasoning import after_reasoning
 
 CHOICES = ("none", "auto", "required")
 # the separators every call is written with (Qwen's and Llama's own style: json.dumps' defaults)
@@ -282,6 +284,7 @@ class Mistral(ToolFormat):
 
 
 FORMATS = {f.name: f for f in (Hermes(), Llama3Json(), Mistral())}
+assert tuple(FORMATS) == TOOL_CALL_PARSERS, "the parsers' names are listed in server/chat/__init__.py"
 
 
 def detect(chat_template) -> ToolFormat | None:
@@ -380,7 +383,6 @@ def _choice(tool_choice, names: set) -> str:
 def token_spelling(tokenizer):
     """token(text) for grammars: a text that is one added token of the tokenizer as <[id]> (llguidance
     sees added tokens as special), else a Lark literal."""
-    from pagoda.engine.structured import added_token_ids
 
     added = added_token_ids(tokenizer)
 
@@ -467,7 +469,7 @@ def tool_format(tokenizer, name: str | None = None) -> ToolFormat:
 
 @dataclass(frozen=True)
 class ToolParsing:
-    """How a request's output is read back (kept on its EngineRequest): the format, the functions, and
+    """How a request's output is read back (server/chat/answer.py AnswerReader): the format, the functions, and
     the special tokens' texts that are no part of the answer (the output keeps special tokens for the
     format's markers: EOS and the like are dropped here)."""
     format: str
@@ -486,9 +488,6 @@ def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokeniz
     its output constrained to the format's calls (the markers kept in the text, which is parsed);
     else (params, None), a reasoning request's structured output constrained after its reasoning.
     Every chat request, on every door, goes through here."""
-    from pagoda.engine.reasoning import after_reasoning
-    from pagoda.engine.structured import StructuredOutputs
-
     if tools is None or not tools.constrains:
         if reasoning is None or params.structured_outputs is None:
             return params, None
@@ -510,21 +509,6 @@ def constrain(tools: ToolRequest | None, fmt: ToolFormat | None, params, tokeniz
     drop = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if t not in markers)
     return (params.replace(structured_outputs=so, skip_special_tokens=False),
             ToolParsing(fmt.name, frozenset(tools.names), drop))
-
-
-def with_parsing(make, parsing: ToolParsing | None, reasoning=None):
-    """make() -> an EngineRequest, given its ToolParsing and Reasoning (how its output is read back); a
-    tool schema llguidance refuses names `tools`."""
-    import dataclasses
-
-    try:
-        req = make()
-    except InvalidRequestError as e:
-        if not (parsing and e.field.startswith("structured_outputs")):
-            raise
-        why = re.split(r" \d+ \| ", e.message)[0].replace("is invalid: ", "")  # not the grammar's lines
-        raise InvalidRequestError("tools", f"hold a parameters schema that cannot be enforced: {why}") from None
-    return dataclasses.replace(req, tool_parsing=parsing, reasoning=reasoning) if parsing or reasoning else req
 
 
 def message_tool_fields(where: str, role: str, tool_call_id, tool_calls) -> dict:
@@ -553,50 +537,3 @@ def _template_call(where: str, c) -> dict:
     if not isinstance(args, dict):
         raise InvalidRequestError(f"{where}.function.arguments", "must be a JSON object's text")
     return {"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}}
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A completion read back: its reasoning (None: not a reasoning request), content and tool calls
-    (ToolCalls: whole ones, or one cut short last; streamed: those that ended in this piece), and in a
-    stream the calls' pieces (CallDeltas)."""
-    reasoning: str | None
-    content: str
-    calls: list
-    deltas: tuple = ()
-
-
-def read_answer(req, text: str) -> Answer:
-    """A whole completion of an EngineRequest read back through its Reasoning and ToolParsing."""
-    reasoning = None
-    if req.reasoning is not None:
-        reasoning, text = req.reasoning.split(text)
-    if req.tool_parsing is None:
-        return Answer(reasoning, text, [])
-    scan = req.tool_parsing.scan(text)
-    return Answer(reasoning, scan.content, [dataclasses.replace(c, id=new_call_id()) for c in scan.calls])
-
-
-class AnswerStream:
-    """A streamed completion read back as it grows: feed(delta, final) -> an Answer of what is new;
-    the parts fed, joined, are read_answer's."""
-
-    def __init__(self, req):
-        from pagoda.engine.reasoning import ReasoningStream
-
-        self.reasoning = req.reasoning and ReasoningStream(req.reasoning)
-        self.tools = req.tool_parsing and req.tool_parsing.stream()
-
-    @property
-    def calls(self) -> list:
-        """The calls so far (the last one maybe not complete)."""
-        return self.tools.calls if self.tools else []
-
-    def feed(self, delta: str, final: bool = False) -> Answer:
-        reasoning = None
-        if self.reasoning:
-            reasoning, delta = self.reasoning.feed(delta, final)
-        if not self.tools:
-            return Answer(reasoning, delta, [])
-        content, deltas = self.tools.feed(delta, final)
-        return Answer(reasoning, content, [d.call for d in deltas if d.ended], tuple(deltas))

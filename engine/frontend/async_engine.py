@@ -1,8 +1,8 @@
 """The asyncio front-end: one API (make_request, generate, abort, stats, shutdown) over either
-transport to the engine core (engine/transport.py: a thread of this process, or a child process;
+transport to the engine core (engine/frontend/transport.py: a thread of this process, or a child process;
 EngineConfig.engine_process chooses). It checks and tokenizes requests (engine/validation.py),
 owns request ids and the queue limit, and routes each step's outputs (made in the core,
-engine/core_outputs.py) to per-request asyncio queues, with one wake-up per event loop per step.
+engine/core/core_outputs.py) to per-request asyncio queues, with one wake-up per event loop per step.
 A caller takes them as deltas (generate, open), or as whole completions: a request made with
 stream=False (the core's whole-output mode), or deltas folded by whole_outputs (one output per
 completion, with its finish reason, counts and logprobs final)."""
@@ -16,19 +16,20 @@ import time
 from collections.abc import AsyncIterator
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core_io import Abort, AdapterCommand, AdapterResult, CoreFailed, EngineRequest, Queued, StepReport
+from pagoda.engine.core.core_io import Abort, AdapterCommand, AdapterResult, CoreFailed, EngineRequest, Queued, StepReport
 from pagoda.engine.errors import (AdapterLoadError, AdapterNotFoundError, DuplicateRequestError, EngineClosedError,
                                  EngineError, InvalidRequestError, QueueFullError, QueueWaitError)
 from pagoda.engine.outputs import RequestOutput, merge
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.structured import GrammarCompiler
-from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits, check_messages, make_request
+from pagoda.engine.structured.manager import GrammarCompiler
+from pagoda.engine.inputs import make_request
+from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits, check_messages
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig):
         """Loads the model (in this thread, or in the child process, waiting for it)."""
-        from pagoda.engine.transport import ProcessTransport, ThreadTransport
+        from pagoda.engine.frontend.transport import ProcessTransport, ThreadTransport
 
         self._transport = (ProcessTransport if config.engine_process else ThreadTransport)(config)
         ready = self._transport.ready
@@ -56,7 +57,7 @@ class AsyncEngine:
     def start(self) -> None:
         self._transport.start(self._on_report)
 
-    # ---- LoRA adapters (engine/lora.py) ----
+    # ---- LoRA adapters (engine/lora/adapters.py) ----
 
     def check_adapter(self, name: str | None) -> None:
         """AdapterNotFoundError unless `name` (None: the base model) is loaded and not being unloaded."""
@@ -155,7 +156,7 @@ class AsyncEngine:
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None) -> list[int]:
         """The prompt's token ids; tools (OpenAI's function tools, as the client sent them) go to the
-        template's `tools` argument; template_kwargs (checked: engine/reasoning.py) to the template."""
+        template's `tools` argument; template_kwargs (checked: server/chat/reasoning.py) to the template."""
         check_messages(messages)  # the tokenizer's TypeError on a lone surrogate names nothing
         kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)

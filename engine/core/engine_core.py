@@ -6,24 +6,25 @@ import time
 
 import torch
 
-from pagoda.engine import parallel
-from pagoda.engine.block_manager import BlockManager
+from pagoda.engine.executor import parallel
+from pagoda.engine.core.block_manager import BlockManager
 from pagoda.engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import AdapterNotFoundError, EngineDeadError
 from pagoda.engine.layers import deterministic, quantization
 from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
-from pagoda.engine.lora import AdapterInfo, AdapterSlots, check_name, read_adapter_config
-from pagoda.engine.model_runner import ModelRunner, StepResult
+from pagoda.engine.lora.adapters import AdapterInfo, AdapterSlots, check_name, read_adapter_config
+from pagoda.engine.executor.model_runner import ModelRunner, StepResult
 from pagoda.engine.models import architecture_of
-from pagoda.engine.core_outputs import step_outputs
+from pagoda.engine.core.core_outputs import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
-from pagoda.engine.core_io import AdapterResult, EngineRequest
-from pagoda.engine.scheduler import Scheduler, SchedulerOutput, finished_per_s
-from pagoda.engine.sequence import FinishReason, Sequence
-from pagoda.engine.speculative import Speculator
-from pagoda.engine.structured import StructuredOutputManager
-from pagoda.engine.workers import Workers
+from pagoda.engine.core.core_io import AdapterResult, EngineRequest
+from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput, finished_per_s
+from pagoda.engine.core.sequence import Sequence
+from pagoda.engine.outputs import FinishReason
+from pagoda.engine.spec_decode.proposers import Speculator
+from pagoda.engine.structured.manager import StructuredOutputManager
+from pagoda.engine.executor.workers import Workers
 
 log = logging.getLogger("pagoda.engine")
 
@@ -177,7 +178,7 @@ class EngineCore:
         spec = c.speculative_config
         self.speculator = Speculator(spec, c.max_model_len, self.draft_runner) if spec is not None else None
 
-    # ---- LoRA adapters (engine/lora.py) ----
+    # ---- LoRA adapters (engine/lora/adapters.py) ----
 
     def _load_adapters(self) -> None:
         self.adapters = None

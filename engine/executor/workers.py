@@ -19,7 +19,6 @@ import logging
 import multiprocessing.connection
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagoda.engine import parallel
+from pagoda.engine.executor import parallel
 from pagoda.engine.errors import EngineDeadError
 
 log = logging.getLogger("pagoda.engine")
@@ -47,7 +46,7 @@ class StepInputs:
     positions: np.ndarray
     meta: dict  # AttentionMetadata's fields, tensors as numpy arrays
     logits_rows: list
-    lora: object = None  # engine/lora.py LoRAStep: the step's adapter rows, or None
+    lora: object = None  # engine/lora/adapters.py LoRAStep: the step's adapter rows, or None
 
 
 def to_host(t: torch.Tensor | None):
@@ -68,7 +67,7 @@ def process_group(store, rank: int, size: int, device: torch.device, timeout_s: 
 
 
 class Workers:
-    """The driver's handle on ranks 1..N-1: each a `python -m pagoda.engine.workers` process (a fresh
+    """The driver's handle on ranks 1..N-1: each a `python -m pagoda.engine.executor.rank` process (a fresh
     interpreter: nothing of the caller's __main__ is re-run), connected back over an authenticated
     local socket."""
 
@@ -84,7 +83,7 @@ class Workers:
         listener = multiprocessing.connection.Listener(("127.0.0.1", 0), authkey=key)
         env = {**os.environ, "PAGODA_TP_AUTHKEY": key.hex()}
         host, port = listener.address
-        self.procs = [subprocess.Popen([sys.executable, "-m", "pagoda.engine.workers", str(rank), f"{host}:{port}"],
+        self.procs = [subprocess.Popen([sys.executable, "-m", "pagoda.engine.executor.rank", str(rank), f"{host}:{port}"],
                                        env=env, stdin=subprocess.DEVNULL) for rank in range(1, size)]
         self._finalizer = weakref.finalize(self, _stop, [], self.procs)
         try:
@@ -183,70 +182,9 @@ def step_inputs(input_ids, positions, meta, logits_rows, lora=None) -> StepInput
     return StepInputs(to_host(input_ids), to_host(positions), host, rows, lora)
 
 
-def main(argv=None) -> None:
-    """`python -m pagoda.engine.workers RANK HOST:PORT`: a rank's process. Its ModelRunner (built as the
-    driver's is), then the driver's calls until told to stop."""
-    argv = sys.argv[1:] if argv is None else argv
-    rank, (host, port) = int(argv[0]), argv[1].rsplit(":", 1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver's to handle; a dead driver ends the pipe
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
-    conn = multiprocessing.connection.Client((host, int(port)), authkey=bytes.fromhex(os.environ["PAGODA_TP_AUTHKEY"]))
-    conn.send(rank)
-    try:
-        config, store_port = conn.recv()
-        store, runner = _load(config, rank, store_port)  # the store lives as long as the group
-    except (EOFError, OSError):
-        return  # the driver is gone
-    except Exception as e:  # noqa: BLE001 - told to the driver, which fails the engine's start
-        log.exception("loading failed")
-        conn.send((False, f"{type(e).__name__}: {e}"))
-        return
-    _serve(runner, conn)
-
-
-def _serve(runner, conn) -> None:
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return  # the driver is gone
-        if msg is None:
-            return
-        method, args, wait = msg
-        try:
-            result = getattr(runner, method)(*args)
-        except Exception as e:  # noqa: BLE001
-            log.exception("%s failed", method)
-            if not wait:  # a step: the ranks are out of step; end, and the driver fails the engine
-                os._exit(1)
-            conn.send((False, f"{type(e).__name__}: {e}"))
-            return
-        if wait:
-            conn.send((True, result))
-
-
-def _load(config, rank: int, port: int):
-    from pagoda.engine.loader import device_of
-    from pagoda.engine.model_runner import ModelRunner
-
-    size = config.tensor_parallel_size
-    store = torch.distributed.TCPStore("127.0.0.1", port, size, False,
-                                       timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-    device = device_of(config.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-    group = parallel.TPGroup(rank, size, process_group(store, rank, size, device, config.tp_timeout_s))
-    return store, ModelRunner(config, rank, group)
-
-
 def cpu_threads(config) -> int:
     """Torch threads per rank on CPU: the configured number, else the cores shared among the ranks."""
     if config.cpu_threads is not None:
         return config.cpu_threads
     return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
-
-if __name__ == "__main__":
-    main()

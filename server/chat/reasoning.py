@@ -11,8 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.structured.manager import StructuredOutputs, as_lark
+from pagoda.server.chat import REASONING_PARSERS
+
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names; both read <think>...</think>
+PARSERS = REASONING_PARSERS  # both read <think>...</think>
 # chat_template_kwargs a request may give (a template is code: nothing else reaches it)
 TEMPLATE_KWARGS = {"enable_thinking": bool, "thinking": bool}
 
@@ -54,8 +58,6 @@ class Reasoning:
 def after_reasoning(so, reasoning: Reasoning | None, token):
     """A structured output (response_format) of a reasoning request, constrained only after the
     reasoning (the reasoning free); unchanged without reasoning or when lazy (its trigger)."""
-    from pagoda.engine.structured import StructuredOutputs, as_lark
-
     if reasoning is None or so is None or so.trigger is not None:
         return so
     return StructuredOutputs(grammar=reasoning.wrap(as_lark(so), token))
@@ -75,8 +77,6 @@ def reasoning_for(tokenizer, prompt_ids: list[int], name: str | None = None) -> 
 
 def check_template_kwargs(kwargs) -> dict:
     """chat_template_kwargs, checked against the allow-list (InvalidRequestError naming the key)."""
-    from pagoda.engine.errors import InvalidRequestError
-
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.outputs import FinishReason
 from pagoda.engine.validation import check_text
 
 FIELD = "structured_outputs"
@@ -357,8 +358,6 @@ class StructuredOutputManager:
     def accept(self, seq, token: int):
         """seq's matcher takes a generated token: (FinishReason, error) when that ends the sequence
         (the grammar is complete, or refused a token its mask allowed: a bug), else (None, None)."""
-        from pagoda.engine.sequence import FinishReason
-
         m = seq.matcher
         if not m.consume_token(token):
             return FinishReason.ERROR, f"structured output: {m.get_error()}"
@@ -370,8 +369,6 @@ class StructuredOutputManager:
         """seq (lazy, its grammar not yet active) generated a token: when that completes the trigger,
         seq gets its matcher, which takes the bytes after the trigger in the same token (if any).
         Returns accept's (FinishReason, error)."""
-        from pagoda.engine.sequence import FinishReason
-
         w = seq.watch
         if w.token is not None:
             if token != w.token:

@@ -6,8 +6,9 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from pagoda.engine.block_manager import BlockManager
-from pagoda.engine.sequence import FinishReason, Sequence, SequenceStatus
+from pagoda.engine.core.block_manager import BlockManager
+from pagoda.engine.core.sequence import Sequence, SequenceStatus
+from pagoda.engine.outputs import FinishReason
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Scheduler:
         self.num_waiting_tokens = 0
         self.step_s = 0.0  # seconds per step, a moving average
         self.finish_times: collections.deque = collections.deque(maxlen=64)
-        self.adapters = adapters  # engine/lora.py AdapterSlots: LoRA slots of running sequences (None: no LoRA)
+        self.adapters = adapters  # engine/lora/adapters.py AdapterSlots: LoRA slots of running sequences (None: no LoRA)
         self.adapter_tokens: dict[str, int] = {}  # LoRA adapter name -> tokens generated (metrics)
 
     def add(self, seq: Sequence) -> None:

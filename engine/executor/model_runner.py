@@ -7,24 +7,24 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagoda.engine import parallel
+from pagoda.engine.executor import parallel
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.cuda_graphs import DecodeGraphs, capture_checked
+from pagoda.engine.executor.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers import cpu_attention, deterministic
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from pagoda.engine.loader import device_of, dtype_of, load_hf_config, load_weights
-from pagoda.engine.lora import LoRAModel, step_slots
+from pagoda.engine.lora.adapters import LoRAModel, step_slots
 from pagoda.engine.models import build_model
 from pagoda.engine.models.llama import LlamaDecoderLayer, fuse_decoder_layer
 from pagoda.engine.outputs import TokenLogprob
-from pagoda.engine.scheduler import SchedulerOutput
-from pagoda.engine.sequence import Sequence
-from pagoda.engine.speculative import accepted_tokens, proposal_rows
+from pagoda.engine.core.scheduler import SchedulerOutput
+from pagoda.engine.core.sequence import Sequence
+from pagoda.engine.spec_decode.acceptance import accepted_tokens, proposal_rows
 from pagoda.engine.validation import MAX_TOP_LOGPROBS
-from pagoda.engine.workers import cpu_threads, step_inputs
+from pagoda.engine.executor.workers import cpu_threads, step_inputs
 
 log = logging.getLogger("pagoda.engine")
 
@@ -37,7 +37,7 @@ class ModelRunner:
     """The model on one rank, built the same way on every rank from the config (its `model` a local
     checkpoint directory) and the rank: the model's shard, then (init_cache, once the driver has
     resolved the config) the attention backend, the KV cache and quantized weights. The driver's
-    runner runs the steps; the other ranks' replay them (engine/workers.py)."""
+    runner runs the steps; the other ranks' replay them (engine/executor/workers.py)."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, group: parallel.TPGroup | None = None, *,
                  workers=None, structured=None):
@@ -74,7 +74,7 @@ class ModelRunner:
         fused = getattr(backend, "fused_ops", None)
         self.sampler = Sampler(config.seed, device, argmax=fused.argmax if fused is not None else None)
         self._allocate_kv_cache(config.num_kv_blocks, backend)
-        quantize_model_(model, config.quantization)
+        quantize_model_(model, config.quantization, parallel.Linear)
         if config.enable_lora:
             self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device, self.checkpoint_path)
         if config.deterministic:
@@ -94,7 +94,7 @@ class ModelRunner:
                     if isinstance(m, LlamaDecoderLayer):
                         m.fused = fuse_decoder_layer(m, fused.ops(), backend)
 
-    # LoRA adapters, on every rank (engine/workers.py Workers.call): their weights read, dropped, made resident
+    # LoRA adapters, on every rank (engine/executor/workers.py Workers.call): their weights read, dropped, made resident
     def lora_add(self, name: str, path: str) -> None:
         self.lora.add(name, path)
 
@@ -223,7 +223,7 @@ class ModelRunner:
 
     def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, plain: bool, prompt_lps) -> "StepResult":
         """Speculative decoding: logits [rows, vocab] of every sampled row (a speculating sequence has
-        one per proposal plus one) -> each sampling sequence's accepted tokens (engine/speculative.py)."""
+        one per proposal plus one) -> each sampling sequence's accepted tokens (engine/spec_decode/)."""
         num_rows = np.array([k for k in sched.num_sampled if k], dtype=np.int64)
         proposals = self._to_device(proposal_rows(sched), torch.int64)  # [rows]
         if plain:
@@ -243,7 +243,7 @@ class ModelRunner:
     @torch.inference_mode()
     def draft_catch_up(self, input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                        tables: np.ndarray) -> torch.Tensor:
-        """A draft model (engine/speculative.py): each sequence's query over positions [start, start +
+        """A draft model (engine/spec_decode/): each sequence's query over positions [start, start +
         count) (single-token queries first; input_ids flat, block tables [n, widest]), its KV written at
         the target's slots; the argmax after each query's last row, on the device: [n]."""
         positions, slots = _positions_and_slots(starts, counts, tables, self.block_size)

@@ -3,7 +3,7 @@ import itertools
 import time
 from enum import Enum
 
-from pagoda.engine.outputs import RequestMetrics
+from pagoda.engine.outputs import FinishReason, RequestMetrics
 from pagoda.engine.sampling_params import SamplingParams
 
 
@@ -12,18 +12,6 @@ class SequenceStatus(Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again; its KV was freed and will be recomputed
     FINISHED = "finished"
-
-
-class FinishReason(Enum):
-    LENGTH = "length"
-    EOS = "eos"
-    STOP_TOKEN = "stop_token"
-    STOP_STRING = "stop_string"
-    GRAMMAR = "grammar"  # the structured output is complete: its grammar allows nothing more
-    ABORT = "abort"
-    ERROR = "error"  # each door's name for these: engine/outputs.py FINISH_REASONS
-    TIME_LIMIT = "time_limit"  # params.time_limit_ms passed: the completion ends with what it has
-    REFUSED = "refused"  # never scheduled within max_queue_wait_s: the caller gets QueueWaitError
 
 
 _arrival = itertools.count()
@@ -75,15 +63,15 @@ class Sequence:
         self.logprobs: list = []
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1, 2, ... (the first has no context)
         self.bad_words = bad_words or []  # token ids of the words it must not generate
-        self.matcher = matcher  # structured output: an llguidance matcher (engine/structured.py), once built
-        self.watch = None  # a lazy grammar's trigger watch, until the trigger comes (engine/structured.py Watch)
+        self.matcher = matcher  # structured output: an llguidance matcher (engine/structured/manager.py), once built
+        self.watch = None  # a lazy grammar's trigger watch, until the trigger comes (engine/structured/manager.py Watch)
         self.detokenizer = detokenizer  # IncrementalDetokenizer: stop strings and the output's text
         self.generator = generator  # torch.Generator when params.seed is set
-        self.stream = stream  # outputs every step, or only when finished (engine/core_outputs.py)
+        self.stream = stream  # outputs every step, or only when finished (engine/core/core_outputs.py)
         self.num_tokens_sent = 0  # generated tokens already in an output
         self.num_text_sent = 0  # characters of the text already in an output
-        self.speculation = None  # engine/speculative.py SpecState, once speculative decoding looks at it
-        self.adapter = adapter  # the LoRA adapter's name (engine/lora.py), or None: the base model
+        self.speculation = None  # engine/spec_decode/ SpecState, once speculative decoding looks at it
+        self.adapter = adapter  # the LoRA adapter's name (engine/lora/adapters.py), or None: the base model
         self.lora_slot = -1  # its resident slot while running, else -1
         # the prefix cache's chain starts from the adapter: the same tokens under two adapters differ
         self.hash_seed = None if adapter is None else ("lora", adapter, adapter_uid)

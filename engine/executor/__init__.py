@@ -1,0 +1,1 @@
+"""The executor: the model runner, tensor-parallel workers and parallel layers, CUDA graphs."""

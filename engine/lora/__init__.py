@@ -1,0 +1,1 @@
+"""LoRA adapters: reading and checking adapter files, slots, and the per-row updates."""
