@@ -81,6 +81,7 @@ def _positive(text: str) -> int:
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     """The serve flags; each defaults to its PAGODA_* environment variable (read now, not at import)."""
     from pagoda.engine.config import CPU_LINEARS, QUANTIZATIONS  # torch-free
+    from pagoda.server.chat import REASONING_PARSERS, TOOL_CALL_PARSERS  # names only
 
     def opt(flag, env, help, **kw):
         default = _env(env, kw.pop("default", None))
@@ -97,9 +98,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "as given; the demo model: pagoda-demo; env: names separated by spaces)", nargs="+", metavar="NAME")
     opt("--tool-call-parser", "TOOL_CALL_PARSER", "how the model writes tool calls: hermes (Qwen2.5/Qwen3, "
         "<tool_call>), llama3_json (Llama 3.1+) or mistral ([TOOL_CALLS]) (default: from the chat template)",
-        choices=["hermes", "llama3_json", "mistral"])
+        choices=TOOL_CALL_PARSERS)
     opt("--reasoning-parser", "REASONING_PARSER", "return a reasoning model's <think>...</think> apart, as "
-        "reasoning_content (default: when the chat template writes <think>)", choices=["deepseek_r1", "qwen3"])
+        "reasoning_content (default: when the chat template writes <think>)", choices=REASONING_PARSERS)
     opt("--dtype", "DTYPE", "weights/compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16 or "
         "AMX; float32 with --deterministic on), else float32; on CUDA the checkpoint's bf16/fp16 (default: auto)",
         default="auto",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagoda.server.chat import REASONING_PARSERS, TOOL_CALL_PARSERS
+
 MIB = 1 << 20
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * MIB
@@ -102,13 +104,12 @@ class ServerOptions:
         # -1 (not a flag value: for tests and embedding) binds any free port
         if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
-        if self.tool_call_parser is not None:
-            from pagoda.server.chat.tools import FORMATS  # noqa: PLC0415 - the engine's formats, not imported at startup
-
-            if self.tool_call_parser not in FORMATS:
-                raise ValueError(f"tool_call_parser must be one of {', '.join(FORMATS)}, got {self.tool_call_parser!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in ("deepseek_r1", "qwen3"):
-            raise ValueError(f"reasoning_parser must be deepseek_r1 or qwen3, got {self.reasoning_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:
