@@ -26,6 +26,12 @@ FAMILIES = {
 }
 
 
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: a worker per core, at most 4 (each loads torch and builds engines; more would wait on
+    memory and on each other's servers rather than go faster)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(name) -> path of a tiny checkpoint of that family, built once per session."""

@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from conftest import FAMILIES
+from oracle import greedy, random_prompts
 from pagoda.engine import LLM, SamplingParams
 
 MAX_NEW = 12
@@ -14,20 +15,11 @@ PROMPT_LENS = [1, 15, 16, 17, 40, 3, 33, 70]
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
+    return random_prompts(vocab, PROMPT_LENS, seed)
 
 
 def _reference(path: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
-    return outs
+    return greedy(path, prompts, max_new)
 
 
 def _check(path, llm_options, expect_preemption=False):

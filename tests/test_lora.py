@@ -11,30 +11,13 @@ import torch
 import transformers
 
 from pagoda.engine import LLM, SamplingParams
+from oracle import greedy, make_adapter, random_prompts
 from pagoda.engine.errors import AdapterNotFoundError
 
 peft = pytest.importorskip("peft")
 
 MAX_NEW = 10
 PROMPT_LENS = [1, 17, 40, 5, 33, 70]
-TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
-           "default": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-
-
-def make_adapter(base: str, out: str, seed: int, r: int = 8, alpha: int = 16, targets=None, **options) -> str:
-    """A PEFT LoRA adapter of `base` with random non-zero A and B, saved to `out`."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    family = "gpt2" if model.config.model_type == "gpt2" else "default"
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or TARGETS[family],
-                             lora_dropout=0.0, **options)
-    model = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -56,30 +39,12 @@ def adapters(checkpoint, tmp_path_factory):
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENS]
-
-
-_REFS: dict = {}
+    return random_prompts(vocab, PROMPT_LENS, seed)
 
 
 def reference(base: str, adapter: str | None, prompts) -> list[list[int]]:
     """transformers (+ PEFT with the adapter) greedy, float32."""
-    key = (base, adapter, tuple(map(tuple, prompts)))
-    if key not in _REFS:
-        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        if adapter is not None:
-            model = peft.PeftModel.from_pretrained(model, adapter)
-        model.eval()
-        outs = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=MAX_NEW, pad_token_id=0)
-                outs.append(out[0, len(p):].tolist())
-        _REFS[key] = outs
-    return _REFS[key]
+    return greedy(base, prompts, MAX_NEW, adapter)
 
 
 def _greedy():

@@ -15,7 +15,7 @@ from grpc_fixtures import InProcessServer, openai_client, wait_all_blocks_free
 from pagoda.client.client import Client
 from pagoda.engine import EngineConfig
 from pagoda.server.options import ServerOptions
-from test_lora import make_adapter, reference
+from oracle import greedy, make_adapter
 
 pytestmark = pytest.mark.timeout(300)
 MAX_NEW = 10
@@ -63,7 +63,7 @@ def test_both_doors_match_peft_per_adapter_and_mixed(setup, oai, client):
             model=c[0] or model, prompt=c[1], max_tokens=MAX_NEW, temperature=0,
             extra_body={"return_token_ids": True}), cases))
     for (adapter, p), g, h in zip(cases, grpc_outs, http_outs):
-        want = reference(base, paths.get(adapter), [p])[0]
+        want = greedy(base, [p], MAX_NEW, paths.get(adapter))[0]
         assert list(g.token_ids) == want, adapter
         assert h.choices[0].model_extra["token_ids"] == want and h.choices[0].text == g.text
         assert h.model == (adapter or model)
@@ -123,7 +123,7 @@ def test_load_and_unload_under_load_lose_no_request(setup, oai, client):
                    timeout=60)
     assert r.status_code == 200, r.text
     prompt = _prompts(1)[0]
-    want = reference(base, paths["late"], [prompt])[0]
+    want = greedy(base, [prompt], MAX_NEW, paths["late"])[0]
     assert list(client.generate(prompt, max_tokens=MAX_NEW, temperature=0, adapter="late").token_ids) == want
     # requests for three adapters in flight (two slots: some wait for one), then unload one of them
     with concurrent.futures.ThreadPoolExecutor(12) as pool:

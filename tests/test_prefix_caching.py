@@ -3,7 +3,7 @@ reuse reported, nothing leaked; n > 1 completions share the prompt's blocks."""
 import random
 
 from pagoda.engine import LLM, SamplingParams
-from test_correctness import _reference
+from oracle import greedy
 
 PREFIX = [random.Random(1).randrange(200) for _ in range(40)]  # 2 full blocks of 16, and 8 more
 TAILS = [[7], [8, 9, 10], [11] * 20, [12, 13], [14] * 9]
@@ -21,7 +21,7 @@ def test_caching_on_off_and_transformers_agree(checkpoint):
     path = checkpoint("qwen3")
     on_llm, on = _run(path, True)
     _, off = _run(path, False)
-    expected = _reference(path, [PREFIX + t for t in TAILS], max_new=10)
+    expected = greedy(path, [PREFIX + t for t in TAILS], 10)
     assert [o.token_ids for o in on] == [o.token_ids for o in off] == expected
     assert on[0].num_cached_tokens == 0
     assert [o.num_cached_tokens for o in on[1:]] == [32] * 4  # the two full blocks of the prefix
@@ -36,7 +36,7 @@ def test_preempted_sequences_recompute_from_cache(checkpoint):
     prompts = [PREFIX + t for t in TAILS]
     llm = LLM(path, dtype="float32", num_kv_blocks=12, max_num_batched_tokens=32, max_model_len=128)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
-    assert [o.token_ids for o in outs] == _reference(path, prompts)
+    assert [o.token_ids for o in outs] == greedy(path, prompts, 12)
     s = llm.engine.stats()
     assert s.num_preemptions > 0 and s.num_free_blocks == s.num_total_blocks
 
