@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The install steps of docker/Dockerfile, kept here so there is one source of truth: the Dockerfile
-# RUNs this script, and CI runs it outside Docker (tests/test_hardening_docker.py) to show it works.
+# RUNs this script, and CI runs it outside Docker (tests/docker/test_hardening_docker.py) to show it works.
 #
 #   docker/install.sh [SRC]      SRC: the repository (default: this script's parent directory)
 #
@@ -20,7 +20,7 @@ python="${PYTHON:-python3}"
 
 "$python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "pagoda needs Python 3.10 or newer")'
 "$python" -m venv "$venv"
-# First pyproject.toml's build requirements (tests/test_hardening_docker.py keeps the two lists equal), then
+# First pyproject.toml's build requirements (tests/docker/test_hardening_docker.py keeps the two lists equal), then
 # pagoda built against that very torch: setup.py compiles the CPU ops at install time, and without build
 # isolation it neither downloads torch a second time nor builds against another version than it runs.
 # shellcheck disable=SC2086  # PIP_ARGS is a list of arguments

@@ -14,7 +14,7 @@ CPU_KV_CACHE_GB = 1.0
 # measured 0.90-1.52x of 512 on a noisy VM (benchmarks/RESULTS.md 2026-11-28): not the default. oneDNN
 # keeps a primitive per row count it sees, so PackedLinear pads a call's rows to one of a few sizes
 # (deterministic.padded_rows): unpadded, a server's memory grew ~32 MB a load round at 2048, ~20 at 512
-# (tests/test_hardening_load.py); padded, ~20 MB in its first round, then flat.
+# (tests/server/test_hardening_load.py); padded, ~20 MB in its first round, then flat.
 MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 CPU_LINEARS = ("onednn", "onednn-only", "mkl")
 SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/spec_decode/)

@@ -3,7 +3,7 @@
     python protos/generate.py              # rewrite protos/pagoda/v1/*_pb2*.py{,i} in place
     python protos/generate.py --out DIR    # write them under DIR/pagoda/v1/ instead (the freshness test)
 
-The stubs are committed; tests/test_grpc_contract.py fails when they differ from a fresh run. Use the
+The stubs are committed; tests/protos/test_grpc_contract.py fails when they differ from a fresh run. Use the
 grpcio-tools version pinned in pyproject.toml ([project.optional-dependencies] test) so the output
 is byte-identical.
 """

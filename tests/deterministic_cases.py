@@ -1,4 +1,4 @@
-"""The probes deterministic mode is checked with (tests/test_deterministic.py) and measured on
+"""The probes deterministic mode is checked with (tests/engine/layers/test_deterministic.py) and measured on
 (benchmarks/deterministic.py): a greedy request with logprobs and prompt logprobs, a seeded sampled one
 with n = 2, a seeded structured one; each run alone, then among mixed fillers (random lengths, greedy,
 sampled, seeded, structured) in batches of 2, 7 and 64, with prefill chunked at 16 tokens, with its

@@ -1,4 +1,4 @@
-"""Helpers for tests/test_hardening_*.py: an in-process server with ServerOptions, KV-block checks,
+"""Helpers for tests/server/test_hardening_*.py: an in-process server with ServerOptions, KV-block checks,
 certificates made on the fly, process memory."""
 from __future__ import annotations
 

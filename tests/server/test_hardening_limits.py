@@ -1,6 +1,6 @@
 """Limits, each a `pagoda serve` flag (and PAGODA_* variable) with a default: message size, prompt
 tokens, max_tokens, stop strings (number and length), stop token ids, waiting-queue length (with a
-retry hint), concurrent generation calls, request timeout (tests/test_hardening_faults.py), and
+retry hint), concurrent generation calls, request timeout (tests/server/test_hardening_faults.py), and
 keepalive settings that tolerate a long prefill yet drop a vanished client."""
 from __future__ import annotations
 

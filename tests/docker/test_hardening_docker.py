@@ -2,7 +2,7 @@
 from pip; non-root user; grpc.health.v1 HEALTHCHECK; docker/install.sh as its install) and
 docker/install.sh itself, run outside Docker as CI can: into a temporary virtual environment, then the
 installed server, started through the image's entry point (docker/entrypoint.sh) on a port given as a
-flag, answers the image's HEALTHCHECK (docker/healthcheck.sh). Lints: tests/test_docker_lint.py.
+flag, answers the image's HEALTHCHECK (docker/healthcheck.sh). Lints: tests/docker/test_docker_lint.py.
 
 To stay fast and offline apart from PyPI, the temporary environment sees this environment's
 dependencies through a .pth file (pagoda itself left out), so pip resolves every dependency against

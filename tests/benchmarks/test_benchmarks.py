@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from grpc_fixtures import REPO
+
+ROOT = str(REPO)
 WORKLOAD = ["--num-requests", "6", "--input-len", "8", "24", "--output-len", "3", "7", "--threads", "1",
             "--no-progress", "--no-results", "--dtype", "float32", "--device", "cpu"]
 
@@ -124,7 +126,7 @@ def test_speculative_runs_with_and_without_and_checks_the_outputs(checkpoint):
 
 
 def test_speculative_echoes_says_where_an_answer_comes_from():
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import speculative
     finally:

@@ -66,7 +66,7 @@ def test_generate_text(client):
 
 
 def test_generate_defaults_unset_fields(client):
-    """Unset max_tokens: 256 (tests/test_grpc_convert.py) capped by the context; unset request_id:
+    """Unset max_tokens: 256 (tests/server/test_grpc_convert.py) capped by the context; unset request_id:
     one is made up."""
     assert client.model_info().limits.default_max_tokens == 256
     near_full = [65] * (CONTEXT - 3)

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 triton = pytest.importorskip("triton")
+from grpc_fixtures import REPO  # noqa: E402
 from pagoda.engine.layers import triton_attention as ta  # noqa: E402
 
 if not torch.cuda.is_available() and not ta.is_available(torch.device("cpu"))[0]:
@@ -427,7 +428,7 @@ def test_is_available_cpu_without_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import torch; from pagoda.engine.layers.triton_attention import is_available; "
             "print(is_available(torch.device('cpu')))")
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr
@@ -442,7 +443,7 @@ def test_compiles_for_hopper_without_spills(dtype):
     if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
         pytest.skip("triton's bundled ptxas is missing")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     res = subprocess.run([sys.executable, "benchmarks/kernels.py", "--compile-only", "--dtype", dtype],
                          env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from grpc_fixtures import REPO
 from pagoda.engine.layers import attention as ref
 from pagoda.engine.layers import cpu_attention, cpu_ops
 from pagoda.engine.layers.rotary import RotaryEmbedding, apply_rotary
@@ -494,13 +495,13 @@ def test_the_avx2_path_on_an_avx512_machine():
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          os.path.join(here, "test_cpu_ops.py"), os.path.join(here, "test_correctness.py"),
-                          os.path.join(here, "test_quantization.py"),
+    tests = REPO / "tests" / "engine"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+                          str(tests / "layers" / "test_cpu_ops.py"), str(tests / "models" / "test_correctness.py"),
+                          str(tests / "layers" / "test_quantization.py"),
                           "-k", "(matches or argmax or fused or padding or skips or int8 or dequantized "
                                 "or bfloat16_engine) and not triton and not avx2_path"],
-                         capture_output=True, text=True, timeout=900, cwd=os.path.dirname(here),
+                         capture_output=True, text=True, timeout=900, cwd=REPO,
                          env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and " failed" not in out.stdout
