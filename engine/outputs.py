@@ -123,6 +123,12 @@ class EngineStats:
     step_s: float = 0.0  # seconds per step (moving average)
     finished_per_s: float = 0.0  # sequences finished per second, over the last ones
 
+    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted
+    spec_mean_accepted_length: float = 0.0  # tokens a sequence gains per verifying step (accepted + 1); 0: none
+    adapter_requests: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> requests taken in
+    adapter_tokens: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> tokens generated
+
     def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
         """How long `num_seqs` more sequences (holding `num_tokens` more tokens) would wait before all
         are scheduled: the slower of computing the tokens queued before them (steps of at most the
@@ -132,11 +138,6 @@ class EngineStats:
         short = self.num_waiting + num_seqs - self.num_free_seats
         seats = short / self.finished_per_s if short > 0 and self.finished_per_s else 0.0
         return max(steps * self.step_s, seats)
-    spec_proposed_tokens: int = 0  # speculative decoding: tokens proposed and verified
-    spec_accepted_tokens: int = 0  # of those, accepted
-    spec_mean_accepted_length: float = 0.0  # tokens a sequence gains per verifying step (accepted + 1); 0: none
-    adapter_requests: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> requests taken in
-    adapter_tokens: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> tokens generated
 
 
 @dataclass(frozen=True)

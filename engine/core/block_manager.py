@@ -189,5 +189,6 @@ class BlockManager:
     def stats(self) -> BlockStats:
         used = len(self.blocks) - self.num_free_blocks
         slots = sum(self._num_slots.values())
-        return BlockStats(len(self.blocks), self.num_free_blocks, used, max(0, used * self.block_size - slots),
-                          self._num_cached_free)
+        return BlockStats(num_total_blocks=len(self.blocks), num_free_blocks=self.num_free_blocks,
+                          num_used_blocks=used, num_wasted_slots=max(0, used * self.block_size - slots),
+                          num_cached_blocks=self._num_cached_free)

@@ -19,7 +19,7 @@ from pagoda.engine.models import architecture_of
 from pagoda.engine.core.core_outputs import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.core.core_io import AdapterResult, EngineRequest
-from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput, finished_per_s
+from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput, scheduler_stats
 from pagoda.engine.core.sequence import Sequence
 from pagoda.engine.outputs import FinishReason
 from pagoda.engine.spec_decode.proposers import Speculator
@@ -319,8 +319,19 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the outputs of the sequences that got tokens or finished."""
-        sched, failed = self.schedule()
-        return self.execute(sched, failed)
+        return self.guarded(lambda: self.execute(*self.schedule()))
+
+    def guarded(self, work) -> list[RequestOutput]:
+        """work() -> outputs, under the one failure rule of every driver (LLM.generate, run_core): a dead
+        rank (EngineDeadError) ends the engine; any other exception is a bug outside the model run, which
+        fails the requests in flight and never the engine."""
+        try:
+            return work()
+        except EngineDeadError:
+            raise
+        except Exception:
+            log.exception("engine step crashed")
+            return self.fail_all("internal engine error")
 
     def schedule(self) -> tuple[SchedulerOutput, list[Sequence]]:
         """The step's first phases: sequences whose grammar is built join the queue, the sequences past a
@@ -426,17 +437,13 @@ class EngineCore:
     # ---- reporting ----
 
     def stats(self) -> EngineStats:
-        b, s, spec, now = self.block_manager.stats(), self.scheduler, self.speculator, time.monotonic()
-        return EngineStats(len(s.running), self.num_waiting, b.num_total_blocks, b.num_free_blocks,
-                           b.num_used_blocks, b.num_wasted_slots, s.num_prompt_tokens_processed,
-                           s.num_generated_tokens, s.num_preemptions, now - self.started,
-                           b.num_cached_blocks, s.num_prompt_tokens_cached,
-                           s.num_prompt_tokens_cached / s.num_prompt_tokens_seen if s.num_prompt_tokens_seen else 0.0,
-                           s.num_waiting_tokens, max(0, s.max_num_seqs - len(s.running)), s.max_num_batched_tokens, s.step_s,
-                           finished_per_s(s.finish_times, now),
-                           *((spec.num_proposed, spec.num_accepted, spec.mean_accepted_length) if spec
-                             else (0, 0, 0.0)),
-                           dict(self.adapter_requests), dict(s.adapter_tokens))
+        """Each part's statistics, by name: a new one is counted in its part, named in EngineStats, and
+        exported (server/metrics.py)."""
+        now, spec = time.monotonic(), self.speculator
+        return EngineStats(num_waiting=self.num_waiting, uptime_s=now - self.started,
+                           adapter_requests=dict(self.adapter_requests),
+                           **dataclasses.asdict(self.block_manager.stats()), **scheduler_stats(self.scheduler, now),
+                           **(spec.stats() if spec else {}))
 
     def model_info(self) -> ModelInfo:
         c = self.config

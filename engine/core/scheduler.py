@@ -264,6 +264,18 @@ class Scheduler:
         seq.error = error
 
 
+def scheduler_stats(s: Scheduler, now: float) -> dict:
+    """The scheduler's part of EngineStats, by name."""
+    seen = s.num_prompt_tokens_seen
+    return dict(num_running=len(s.running), num_prompt_tokens_processed=s.num_prompt_tokens_processed,
+                num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions,
+                num_cached_prompt_tokens=s.num_prompt_tokens_cached,
+                prefix_cache_hit_rate=s.num_prompt_tokens_cached / seen if seen else 0.0,
+                num_waiting_tokens=s.num_waiting_tokens, num_free_seats=max(0, s.max_num_seqs - len(s.running)),
+                step_token_budget=s.max_num_batched_tokens, step_s=s.step_s,
+                finished_per_s=finished_per_s(s.finish_times, now), adapter_tokens=dict(s.adapter_tokens))
+
+
 def finished_per_s(finish_times, now: float) -> float:
     """Sequences finished per second over the last len(finish_times) finishes, up to now."""
     return len(finish_times) / (now - finish_times[0]) if finish_times and now > finish_times[0] else 0.0

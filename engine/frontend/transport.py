@@ -52,25 +52,23 @@ def run_core(core, commands, report) -> None:
                     report(result)
         if not (outputs or num_added or core.has_work()):
             continue  # woke only to check the ranks
-        try:
-            scheduled = core.schedule() if core.has_work() else None
-            # Requests taken in now count in the core's waiting list, and those this step admitted
-            # no longer do: the front-end's queue limit sees that before the model runs.
-            if num_added:
-                report(Queued(core.num_waiting, num_added))
-                num_added = 0
-            outputs += core.execute(*scheduled) if scheduled is not None else []
-        except EngineDeadError:
-            raise
-        except Exception:  # a bug outside the model run; never let the loop die
-            log.exception("engine step crashed")
-            outputs += core.fail_all("internal engine error")
-        if num_added:
-            report(Queued(core.num_waiting, num_added))
+        outputs += core.guarded(lambda: _step(core, report, num_added))
         report(StepReport(outputs, core.stats()))
         if core.unloading:  # LoRA adapters whose last requests finished in this step
             for result in core.adapter_results():
                 report(result)
+
+
+def _step(core, report, num_added: int) -> list:
+    """A step, with the requests taken in since the last one reported queued once it admitted what it
+    could: they count in the core's waiting list, and those it admitted no longer do, so the front-end's
+    queue limit sees that before the model runs."""
+    try:
+        scheduled = core.schedule() if core.has_work() else None
+    finally:
+        if num_added:
+            report(Queued(core.num_waiting, num_added))
+    return core.execute(*scheduled) if scheduled is not None else []
 
 
 def _add(core, req: EngineRequest) -> list:

@@ -130,6 +130,11 @@ class Speculator:
         self.num_accepted = 0  # of those, accepted
         self.num_verifications = 0  # sequence-steps that verified proposals
 
+    def stats(self) -> dict:
+        """Speculation's part of EngineStats, by name."""
+        return dict(spec_proposed_tokens=self.num_proposed, spec_accepted_tokens=self.num_accepted,
+                    spec_mean_accepted_length=self.mean_accepted_length)
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens a sequence gains per verifying step: accepted proposals plus the target's own."""
