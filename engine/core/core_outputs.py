@@ -33,7 +33,7 @@ def _output(seq: Sequence) -> RequestOutput:
     reason = seq.finish_reason
     public = FINISH_REASONS[reason.value].openai if reason else None
     if reason is FinishReason.ERROR or reason is FinishReason.REFUSED:
-        return failed_output(seq.request_id, seq.error, seq.index, reason.value, seq.metrics())
+        return failed_output(seq.request_id, seq.error, seq.index, reason.value, seq.times.metrics())
     if reason in _FLUSHED:
         seq.detokenizer.flush()
     text = seq.detokenizer.text
@@ -44,7 +44,7 @@ def _output(seq: Sequence) -> RequestOutput:
         text=text[seq.num_text_sent:end], finished=reason is not None,
         finish_reason=public, stop_reason=reason.value if reason else None,
         num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=num_generated,
-        num_cached_tokens=seq.num_cached_tokens, metrics=seq.metrics(),
+        num_cached_tokens=seq.num_cached_tokens, metrics=seq.times.metrics(),
         logprobs=seq.logprobs[sent:num_generated] if seq.params.logprobs else None,
         prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None and not sent else None)
     seq.num_text_sent, seq.num_tokens_sent = end, num_generated

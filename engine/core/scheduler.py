@@ -70,10 +70,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:  # first time: its limits start to count
-            if seq.deadline is not None:
-                heapq.heappush(self.deadlines, (seq.deadline, next(self._tiebreak), seq, FinishReason.TIME_LIMIT))
+            if seq.times.deadline is not None:
+                heapq.heappush(self.deadlines, (seq.times.deadline, next(self._tiebreak), seq, FinishReason.TIME_LIMIT))
             if self.max_queue_wait_s is not None:
-                refuse_at = seq.arrival_time + self.max_queue_wait_s
+                refuse_at = seq.times.arrival + self.max_queue_wait_s
                 heapq.heappush(self.deadlines, (refuse_at, next(self._tiebreak), seq, FinishReason.REFUSED))
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
         self.num_waiting_tokens += seq.num_tokens
@@ -84,11 +84,11 @@ class Scheduler:
         expired, now = [], time.monotonic()
         while self.deadlines and self.deadlines[0][0] <= now:
             _, _, seq, reason = heapq.heappop(self.deadlines)
-            if seq.is_finished or (reason is FinishReason.REFUSED and seq.first_scheduled_time is not None):
+            if seq.is_finished or (reason is FinishReason.REFUSED and seq.times.first_scheduled is not None):
                 continue
             error = None
             if reason is FinishReason.REFUSED:
-                error = f"it waited {now - seq.arrival_time:.3g}s in the queue, past this server's --max-queue-wait"
+                error = f"it waited {now - seq.times.arrival:.3g}s in the queue, past this server's --max-queue-wait"
             self.finish(seq, reason, error)
             expired.append(seq)
         if len(self.deadlines) > 64 + 2 * (len(self.waiting) + len(self.running)):  # mostly finished ones: drop them
@@ -171,7 +171,7 @@ class Scheduler:
             self.block_manager.allocate(seq, cached + n, hits)
             seq.num_computed_tokens = cached
             if seq.status is SequenceStatus.WAITING:  # first admission, not a recompute
-                seq.first_scheduled_time = time.monotonic()
+                seq.times.first_scheduled = time.monotonic()
                 seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
                 self.num_prompt_tokens_seen += seq.num_prompt_tokens
                 self.num_prompt_tokens_cached += seq.num_cached_tokens
@@ -190,7 +190,7 @@ class Scheduler:
             self.adapters.release(seq)
         seq.num_computed_tokens = seq.draft_computed = 0
         seq.status = SequenceStatus.PREEMPTED
-        seq.preemption_times.append(time.monotonic())
+        seq.times.preemptions.append(time.monotonic())
         self.num_preemptions += 1
         out.preempted.append(seq)
         self.add(seq)
@@ -204,7 +204,7 @@ class Scheduler:
         for seq, n, k, spec in zip(out.seqs, out.num_new_tokens, out.num_sampled, specs):
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_processed += n
-                seq.prefill_chunks.append((out.start_time, now, n))
+                seq.times.prefill_chunks.append((out.start_time, now, n))
             seq.num_computed_tokens += n - len(spec)  # proposals count once accepted
             self.block_manager.register_full_blocks(seq)
             if k:
@@ -228,8 +228,8 @@ class Scheduler:
 
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
         """Append tokens one by one; the first that stops the sequence is its last (the rest are dropped)."""
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
+        if seq.times.first_token is None:
+            seq.times.first_token = time.monotonic()
         for token in tokens:
             seq.token_ids.append(token)
             self.num_generated_tokens += 1
@@ -257,8 +257,8 @@ class Scheduler:
         self.block_manager.free(seq)
         if seq.lora_slot >= 0:
             self.adapters.release(seq)
-        seq.finished_time = time.monotonic()
-        self.finish_times.append(seq.finished_time)
+        seq.times.finished = time.monotonic()
+        self.finish_times.append(seq.times.finished)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error

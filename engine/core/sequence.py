@@ -1,6 +1,7 @@
 """A request's state as it moves through the engine."""
 import itertools
 import time
+from dataclasses import dataclass, field
 from enum import Enum
 
 from pagoda.engine.outputs import FinishReason, RequestMetrics
@@ -26,6 +27,25 @@ class BlockTable(list):
         return self[position // block_size] * block_size + position % block_size
 
 
+@dataclass
+class SequenceTimes:
+    """time.monotonic() stamps of a sequence's life (its outputs' RequestMetrics), and its deadline."""
+    arrival: float
+    deadline: float | None = None  # params.time_limit_ms from arrival (the same clock in the core's process)
+    first_scheduled: float | None = None  # first admitted into the running batch
+    first_token: float | None = None
+    finished: float | None = None
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (step start, end, prompt tokens)
+    preemptions: list[float] = field(default_factory=list)
+
+    def metrics(self) -> RequestMetrics:
+        """The stamps so far; the phase timeline (for tracing) only once finished."""
+        if self.finished is None:
+            return RequestMetrics(self.arrival, self.first_scheduled, self.first_token)
+        return RequestMetrics(self.arrival, self.first_scheduled, self.first_token, self.finished,
+                              tuple(self.prefill_chunks), tuple(self.preemptions))
+
+
 class Sequence:
     """One completion of a request (a request with n > 1 has n sequences, index 0..n-1)."""
 
@@ -43,14 +63,9 @@ class Sequence:
         self.priority = priority
         self.eos_token_ids = eos_token_ids
         self.arrival = next(_arrival)
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.first_scheduled_time: float | None = None  # first admitted into the running batch
-        self.first_token_time: float | None = None
-        self.finished_time: float | None = None
-        self.prefill_chunks: list[tuple[float, float, int]] = []  # (step start, step end, prompt tokens)
-        self.preemption_times: list[float] = []
-        # params.time_limit_ms as a time.monotonic() deadline (the same clock in the core's process)
-        self.deadline = None if params.time_limit_ms is None else self.arrival_time + params.time_limit_ms / 1000
+        arrived = time.monotonic() if arrival_time is None else arrival_time
+        limit = params.time_limit_ms
+        self.times = SequenceTimes(arrived, None if limit is None else arrived + limit / 1000)
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None  # why, when finish_reason is ERROR
@@ -92,13 +107,6 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and some are not computed yet (so no prefix-cache hits)."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
-
-    def metrics(self) -> RequestMetrics:
-        """The stamps so far; the phase timeline (for tracing) only with the last output."""
-        if self.finished_time is None:
-            return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time)
-        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time,
-                              self.finished_time, tuple(self.prefill_chunks), tuple(self.preemption_times))
 
     @property
     def is_finished(self) -> bool:

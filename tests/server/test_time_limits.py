@@ -47,7 +47,7 @@ def test_the_scheduler_ends_what_is_past_its_limit_in_the_queue_too():
     # `late`'s time limit passed: it ends with nothing; `running` never had a limit, but it arrived at 0
     # and was scheduled, so the queue-wait limit no longer applies to it
     assert s.expire() == [late]
-    assert late.finish_reason is FinishReason.TIME_LIMIT and late.finished_time is not None
+    assert late.finish_reason is FinishReason.TIME_LIMIT and late.times.finished is not None
     assert s.waiting == [fresh] and s.running == [running] and s.num_waiting_tokens == 3
     assert s.expire() == []
 
