@@ -1,5 +1,5 @@
 """Shared pieces of the benchmarks: model configs, the random checkpoint cache, the workload,
-the machine description and the RESULTS.md log."""
+the machine description and the results log (benchmarks/results/log.md)."""
 import datetime
 import os
 import platform
@@ -13,7 +13,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # pagoda itself comes from the venv
 
-RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+RESULTS_MD = os.path.join(ROOT, "benchmarks", "results", "log.md")  # every run; RESULTS.md is the summary
 CHECKPOINT_VERSION = "1"
 
 # Random weights, real shapes. "tiny" is the CPU target model.
@@ -78,7 +78,7 @@ def add_workload_args(p, num_requests=256, input_len=(100, 1024), output_len=(10
 def add_results_args(p) -> None:
     p.add_argument("--results", metavar="PATH", default=RESULTS_MD,
                    help="append a section (date, command, machine, table) to this markdown log "
-                        "(default: benchmarks/RESULTS.md)")
+                        "(default: benchmarks/results/log.md; benchmarks/RESULTS.md is the summary, updated by hand)")
     p.add_argument("--no-results", action="store_true", help="do not append to the log")
 
 

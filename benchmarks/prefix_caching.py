@@ -3,7 +3,7 @@ Runs the same requests with prefix caching off and on, in one process, and repor
 tokens computed and time to first token.
 
     python benchmarks/prefix_caching.py                      # 64 x (1000 shared + 32 own) tokens
-    python benchmarks/prefix_caching.py --results benchmarks/RESULTS.md
+    python benchmarks/prefix_caching.py --results benchmarks/results/log.md
 """
 import argparse
 import asyncio

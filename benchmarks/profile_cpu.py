@@ -1,6 +1,6 @@
 """Where an offline batch's time goes, prefill and decode apart: torch.profiler's operator table for the
 batch with 1 new token (prefill, and the one sampling step) and with the workload's new tokens (prefill
-+ decode; decode = the difference). Not timed against anything: a profile, printed (not in RESULTS.md).
++ decode; decode = the difference). Not timed against anything: a profile, printed (not in results/log.md).
 
     python benchmarks/profile_cpu.py --model-config qwen2.5-0.5b --num-requests 16 --input-len 128 128 --output-len 64 64 --threads 2 [--cpu-linear mkl]
 """

@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     p.add_argument("--llamacpp", action="store_true",
                    help="also llama.cpp's llama-server on the same checkpoints at one stream, without and with its "
                         "own speculation (see above)")
-    p.add_argument("--note", default="", help="a sentence on the conditions, for RESULTS.md")
+    p.add_argument("--note", default="", help="a sentence on the conditions, for results/log.md")
     common.add_results_args(p)
     args = common.finish_args(p.parse_args(argv))
     if args.llamacpp and args.clock != "wall":

@@ -13,9 +13,10 @@ from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import AdapterNotFoundError, EngineDeadError
 from pagoda.engine.layers import deterministic, quantization
 from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
-from pagoda.engine.lora.adapters import AdapterInfo, AdapterSlots, check_name, read_adapter_config
+from pagoda.engine.lora.adapters import AdapterInfo
+from pagoda.engine.lora.registry import AdapterRegistry, check_modules
 from pagoda.engine.executor.model_runner import ModelRunner, StepResult
-from pagoda.engine.models import architecture_of
+from pagoda.engine.models import architecture_of, build_model
 from pagoda.engine.core.core_outputs import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.core.core_io import AdapterResult, EngineRequest
@@ -27,6 +28,7 @@ from pagoda.engine.structured.manager import StructuredOutputManager
 from pagoda.engine.executor.workers import Workers
 
 log = logging.getLogger("pagoda.engine")
+LORA_OFF = "LoRA adapters are not enabled (start with lora_modules or allow_lora_loading)"
 
 
 class EngineCore:
@@ -61,6 +63,7 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             parallel.check_splits(self.hf_config, config.tensor_parallel_size)
         self.draft_path = self._check_draft(config)
+        check_modules(config, self.hf_config, build_model)  # LoRA adapters, before any weights load
         _log_phase("config and tokenizer", t0, path)
         return path
 
@@ -174,105 +177,71 @@ class EngineCore:
         c = self.config
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                   self.structured, c.max_queue_wait_s, self.adapters)
+                                   self.structured, c.max_queue_wait_s, self.adapters and self.adapters.slots)
         spec = c.speculative_config
         self.speculator = Speculator(spec, c.max_model_len, self.draft_runner) if spec is not None else None
 
-    # ---- LoRA adapters (engine/lora/adapters.py) ----
+    # ---- LoRA adapters (engine/lora/registry.py) ----
 
     def _load_adapters(self) -> None:
-        self.adapters = None
-        self.adapter_requests: dict[str, int] = {}  # per adapter: requests taken in (metrics)
-        self.unloading: set[str] = set()  # adapters being unloaded: new requests refused, in-flight ones finish
-        self._unload_waiters: dict[str, list[int]] = {}  # adapter -> tokens of AdapterCommands waiting for it
-        self._adapter_uid = 0
-        if not self.config.enable_lora:
-            return
-        self.adapters = AdapterSlots(self.config.max_loras, self._activate_adapter)
-        for name, path in self.config.lora_modules:
-            self.add_adapter(name, path)
+        self.adapters: AdapterRegistry | None = None
+        if self.config.enable_lora:
+            self.adapters = AdapterRegistry(self.config, self.model_name, self.runner.lora.targetable(),
+                                            self._on_ranks)
+            for name, path in self.config.lora_modules:
+                self.adapters.add(name, path)
 
     def _on_ranks(self, method: str, *args) -> None:
         getattr(self.runner, method)(*args)
         if self.workers is not None:
             self.workers.call(method, *args)
 
-    def _activate_adapter(self, info: AdapterInfo, slot: int) -> None:
-        self._on_ranks("lora_activate", info.name, slot, info.scaling)
-
     def add_adapter(self, name: str, path: str) -> AdapterInfo:
-        """Register a LoRA adapter (its weights read on every rank, made resident when a request needs
-        it); ValueError naming what is wrong."""
+        """Register a LoRA adapter; ValueError naming what is wrong."""
         if self.adapters is None:
-            raise ValueError("LoRA adapters are not enabled (start with lora_modules or allow_lora_loading)")
-        check_name(name)
-        if name in self.adapters.infos or name == self.model_name:
-            raise ValueError(f"lora adapter {name!r} is already loaded" if name in self.adapters.infos else
-                             f"lora adapter name {name!r} is the base model's name")
-        self._adapter_uid += 1
-        info = read_adapter_config(name, path, self.config.max_lora_rank, self.runner.lora.targetable(),
-                                   self._adapter_uid)
-        try:
-            self._on_ranks("lora_add", name, info.path)
-        except RuntimeError as e:  # a tensor-parallel rank's ValueError, in its words
-            raise ValueError(str(e).split(": ", 1)[-1]) from None
-        self.adapters.infos[name] = info
-        self.unloading.discard(name)
-        return info
+            raise ValueError(LORA_OFF)
+        return self.adapters.add(name, path)
 
     def remove_adapter(self, name: str) -> None:
-        """Start unloading an adapter: new requests for it are refused from now on; it is gone once its
-        requests in flight have finished (finish_unloads)."""
         self.check_adapter(name)
-        self.unloading.add(name)
+        self.adapters.remove(name)
 
     def adapter_command(self, cmd) -> list:
-        """A front-end's AdapterCommand: its AdapterResult now, or for an unload once it is done."""
-        try:
-            if cmd.op == "load":
-                self.add_adapter(cmd.name, cmd.path)
-            else:
-                self.remove_adapter(cmd.name)
-                self._unload_waiters.setdefault(cmd.name, []).append(cmd.token)
-                return self.adapter_results()
-        except ValueError as e:
-            return [AdapterResult(cmd.token, e, tuple(self.adapter_infos()))]
-        return [AdapterResult(cmd.token, None, tuple(self.adapter_infos()))]
+        if self.adapters is None:
+            return [AdapterResult(cmd.token, ValueError(LORA_OFF), ())]
+        return self.adapters.command(cmd, self._busy_adapters())
 
     def adapter_results(self) -> list:
-        """The unloads that completed (their requests in flight all finished), answered."""
-        done = self.finish_unloads()
-        infos = tuple(self.adapter_infos())
-        return [AdapterResult(t, None, infos) for name in done for t in self._unload_waiters.pop(name, [])]
+        return [] if self.adapters is None else self.adapters.results(self._busy_adapters())
 
     def finish_unloads(self) -> list[str]:
-        """The adapters being unloaded that no request uses any more, unloaded now."""
-        if not self.unloading:
-            return []
-        busy = {s.adapter for group in self.requests.values() for s in group if not s.is_finished}
-        done = [n for n in self.unloading if n not in busy]
-        for name in done:
-            self.adapters.evict(name)
-            self._on_ranks("lora_remove", name)
-            self.unloading.discard(name)
-        return done
+        return [] if self.adapters is None else self.adapters.finish_unloads(self._busy_adapters())
+
+    @property
+    def unloading(self) -> set[str]:
+        return set() if self.adapters is None else self.adapters.unloading
+
+    def _busy_adapters(self) -> set[str]:
+        return {s.adapter for group in self.requests.values() for s in group if not s.is_finished}
 
     def adapter_infos(self) -> list[AdapterInfo]:
-        return [] if self.adapters is None else sorted(self.adapters.infos.values(), key=lambda a: a.name)
+        return [] if self.adapters is None else self.adapters.sorted_infos()
 
     def check_adapter(self, name: str | None) -> None:
         """AdapterNotFoundError unless `name` (None: the base model) can take requests."""
-        if name is not None and (self.adapters is None or name not in self.adapters.infos or name in self.unloading):
-            raise AdapterNotFoundError(name)
+        if self.adapters is None:
+            if name is not None:
+                raise AdapterNotFoundError(name)
+            return
+        self.adapters.check(name)
 
     # ---- requests ----
 
     def add_request(self, req: EngineRequest) -> None:
         """Take in a checked request (engine/validation.py make_request) as its n sequences."""
         self.check_adapter(req.adapter)
-        if req.adapter is not None:
-            self.adapter_requests[req.adapter] = self.adapter_requests.get(req.adapter, 0) + 1
-        seqs = [self._sequence(req, i) for i in range(req.params.n)]
+        adapter_uid = self.adapters.took_in(req.adapter) if req.adapter is not None else 0
+        seqs = [self._sequence(req, i, adapter_uid) for i in range(req.params.n)]
         self.requests[req.request_id] = seqs
         if req.grammar is not None:  # scheduled once its matcher template is built (off this loop)
             self.structured.add(seqs, req.grammar, req.params.structured_outputs.trigger)
@@ -280,7 +249,7 @@ class EngineCore:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _sequence(self, req: EngineRequest, index: int) -> Sequence:
+    def _sequence(self, req: EngineRequest, index: int, adapter_uid: int) -> Sequence:
         params, generator = req.params, None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -290,7 +259,7 @@ class EngineCore:
                         eos_token_ids=self.eos_token_ids, stream=req.stream, arrival_time=req.arrival_time,
                         bad_words=req.bad_words_token_ids, detokenizer=detokenizer, generator=generator,
                         adapter=req.adapter,
-                        adapter_uid=self.adapters.infos[req.adapter].uid if req.adapter is not None else 0)
+                        adapter_uid=adapter_uid)
 
     @property
     def num_waiting(self) -> int:
@@ -441,7 +410,7 @@ class EngineCore:
         exported (server/metrics.py)."""
         now, spec = time.monotonic(), self.speculator
         return EngineStats(num_waiting=self.num_waiting, uptime_s=now - self.started,
-                           adapter_requests=dict(self.adapter_requests),
+                           adapter_requests=dict(self.adapters.requests) if self.adapters else {},
                            **dataclasses.asdict(self.block_manager.stats()), **scheduler_stats(self.scheduler, now),
                            **(spec.stats() if spec else {}))
 

@@ -118,7 +118,7 @@ def _mark(layer: nn.Module, dim: int, parts: dict) -> nn.Module:
 # rows up to which a float32 linear on CPU runs pagoda's op rather than torch's (MKL's sgemm costs a
 # weight read per row there: a single stream's verification of 4 proposals cost 4-5x one row's decode),
 # and rather than oneDNN's packed weights (about 20 us a call, 1.6-3x the op's time at <= 8 rows;
-# oneDNN wins from 16 rows on a 0.5B model's layers: benchmarks/RESULTS.md, "few-row op or oneDNN")
+# oneDNN wins from 16 rows on a 0.5B model's layers: benchmarks/results/log.md, "few-row op or oneDNN")
 FEW_ROWS = 64
 FEW_ROWS_PACKED = 8  # and for bfloat16 whatever the packing (not measured against AMX: kept low)
 

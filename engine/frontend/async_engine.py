@@ -23,6 +23,7 @@ from pagoda.engine.outputs import RequestOutput, merge
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured.manager import GrammarCompiler
 from pagoda.engine.inputs import make_request
+from pagoda.engine.lora import usable
 from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits, check_messages
 
 
@@ -61,7 +62,7 @@ class AsyncEngine:
 
     def check_adapter(self, name: str | None) -> None:
         """AdapterNotFoundError unless `name` (None: the base model) is loaded and not being unloaded."""
-        if name is not None and (name not in self.adapters or name in self._unloading):
+        if not usable(name, self.adapters, self._unloading):  # the core's rule, over what it reported
             raise AdapterNotFoundError(name)
 
     async def load_adapter(self, name: str, path: str) -> None:

@@ -145,7 +145,7 @@ def test_load_and_unload_under_load_lose_no_request(setup, oai, client):
     r = httpx.post(srv.http_url + "/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     wait_all_blocks_free(client)
-    assert all(u == 0 for u in core.adapters.users)
+    assert all(u == 0 for u in core.adapters.slots.users)
 
 
 def test_runtime_loading_is_off_by_default(checkpoint):

@@ -54,7 +54,7 @@ def _greedy():
 def _assert_clean(llm):
     stats = llm.engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
-    assert all(u == 0 for u in llm.engine.adapters.users)
+    assert all(u == 0 for u in llm.engine.adapters.slots.users)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2"])
