@@ -234,6 +234,21 @@ def test_refusals_name_the_field(adapters, tmp_path):
         LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=paths, max_loras=0)
 
 
+def test_adapter_refusals_come_before_any_weights_load(adapters, monkeypatch, tmp_path):
+    from pagoda.engine.core.engine_core import EngineCore
+
+    def load_model(*args):
+        pytest.fail("the weights loaded before the adapter was refused")
+    monkeypatch.setattr(EngineCore, "_load_model", load_model)
+    base, paths = adapters("llama")
+    for options, path, message in [({}, str(tmp_path / "missing"), "no adapter_config.json"),
+                                   (dict(max_lora_rank=4), paths["one"], "r 8 exceeds max_lora_rank 4"),
+                                   ({}, _edit_config(paths["one"], tmp_path / "emb", target_modules=["embed_tokens"]),
+                                    "target_modules 'embed_tokens' is not supported")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(base, dtype="float32", lora_modules={"bad": path}, **options)
+
+
 def test_lora_modules_forms(adapters):
     from pagoda.engine.lora.adapters import parse_lora_modules
     assert parse_lora_modules(["a=/p", '{"name": "b", "path": "/q"}']) == (("a", "/p"), ("b", "/q"))
