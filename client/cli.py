@@ -693,7 +693,7 @@ def openmp_waits_passively(env=os.environ) -> None:
     """OpenMP threads that sleep while they wait (OMP_WAIT_POLICY=PASSIVE), unless the user set the policy
     or GNU OpenMP's spin count (GOMP_SPINCOUNT=300000 is its default). Its default spins first, and a
     spinning thread whose core another process takes holds every parallel operator at its barrier
-    (benchmarks/RESULTS.md: 5-19x slower with one busy process on 2 cores). The OpenMP runtime reads
+    (benchmarks/results/log.md: 5-19x slower with one busy process on 2 cores). The OpenMP runtime reads
     the variable once, when torch loads: so here, before any import of torch, and inherited by the
     engine's and tensor-parallel ranks' processes."""
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:

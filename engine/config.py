@@ -1,6 +1,7 @@
 """The engine's one configuration object, built once and read-only afterwards."""
+import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from pagoda.engine.validation import is_int
 
@@ -11,7 +12,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 CPU_KV_CACHE_GB = 1.0
 # Tokens per step by default. On CPU a step of many thousand tokens spills its activations out of
 # the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model). 2048
-# measured 0.90-1.52x of 512 on a noisy VM (benchmarks/RESULTS.md 2026-11-28): not the default. oneDNN
+# measured 0.90-1.52x of 512 on a noisy VM (benchmarks/results/log.md 2026-11-28): not the default. oneDNN
 # keeps a primitive per row count it sees, so PackedLinear pads a call's rows to one of a few sizes
 # (deterministic.padded_rows): unpadded, a server's memory grew ~32 MB a load round at 2048, ~20 at 512
 # (tests/server/test_hardening_load.py); padded, ~20 MB in its first round, then flat.
@@ -80,42 +81,128 @@ class SpeculativeConfig:
         return json.dumps(asdict(self))
 
 
+# `pagoda serve` flag parsers (server/main.py builds the flags from the fields' metadata below); an
+# ArgumentTypeError is argparse's one-line error naming the flag.
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (0: no limit), got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    """--speculative-config's JSON, checked while the flags are parsed."""
+    try:
+        return SpeculativeConfig.parse(text) if text.strip() else None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry, NAME=PATH or vLLM's JSON {"name": NAME, "path": PATH}."""
+    from pagoda.engine.lora.adapters import parse_lora_modules  # torch only once the engine loads
+
+    try:
+        return parse_lora_modules([text])[0]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("lora_modules: ")) from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # local HF directory or hub id; None: the built-in demo model
-    dtype: str = "auto"  # auto: bf16 on a CPU with native bf16 else float32 (loader.dtype_of); CUDA: the checkpoint's
-    quantization: str | None = None  # "int8": linear weights in int8 (weight-only, CPU); None: in dtype
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit; else derived from the memory budget below
+    """A field with a "help" in its metadata is also a `pagoda serve` flag and PAGODA_* variable;
+    server/main.py's add_options says what the other metadata keys mean."""
+    model: str | None = field(default=None, metadata={
+        "help": "HF model directory or hub id (default: the built-in demo model)", "none": ""})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": (
+        "weights/compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16 or AMX; float32 with "
+        "--deterministic on), else float32; on CUDA the checkpoint's bf16/fp16 (default: auto)")})
+    quantization: str | None = field(default=None, metadata={"choices": ("none", *QUANTIZATIONS), "none": "none",
+        "help": "int8: linear weights in int8 (weight-only, per-output-channel scales; CPU only: a quarter of "
+                "float32's bytes to read each step); none: weights in --dtype (default: none)"})
+    device: str = field(default="auto", metadata={"choices": DEVICES, "help": "cpu, cuda or auto (default: auto)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block (default: 16)"})
+    num_kv_blocks: int | None = field(default=None, metadata={  # explicit; else from the memory budget below
+        "type": int, "help": "KV cache blocks (default: from the memory budget)"})
     kv_cache_memory_gb: float | None = None  # explicit KV budget; default CPU 1 GiB, CUDA a fraction
     gpu_memory_utilization: float = 0.9  # fraction of free CUDA memory for KV after the weights
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # per step; default 8192 on CUDA, 512 on CPU (caches)
-    max_model_len: int | None = None  # default: the checkpoint's context length
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once (default: 256)"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={  # the default: MAX_NUM_BATCHED_TOKENS
+        "type": int, "help": "most tokens per engine step (default: 8192 on CUDA, 512 on CPU)"})
+    max_model_len: int | None = field(default=None, metadata={
+        "type": int, "help": "context length (default: the checkpoint's)"})
     seed: int = 0
-    attention_backend: str = "auto"  # auto: triton on CUDA, the C++ op (cpu) on CPU; torch: SDPA anywhere
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks of earlier identical prefixes
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (they are used on CUDA otherwise)
-    max_queue_len: int = 1024  # waiting requests beyond this are refused (QueueFullError)
-    cpu_threads: int | None = None  # on CPU, torch's intra-op threads (process-wide); None: torch's default
-    engine_process: bool = False  # AsyncEngine: the engine loop in a child process (else a thread)
-    tensor_parallel_size: int = 1  # ranks the model is split over (engine/executor/parallel.py, engine/executor/workers.py)
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS, "help": (
+        "attention implementation: triton (CUDA), cpu (a C++ op), torch (SDPA, anywhere); default auto: "
+        "triton on CUDA, cpu on CPU")})
+    enable_prefix_caching: bool = field(default=True, metadata={  # the KV of full blocks of identical prefixes
+        "flag": "--prefix-caching", "help": "reuse the KV cache of repeated prompt prefixes (default: on)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "no CUDA graphs for decode steps (default: off, graphs on CUDA)"})
+    max_queue_len: int = field(default=1024, metadata={  # more waiting requests: QueueFullError
+        "help": "most waiting requests; more get RESOURCE_EXHAUSTED (default: 1024)"})
+    # on CPU, torch's intra-op threads (process-wide); None: torch's default, every core. `pagoda serve`'s
+    # 0 has server/main.py's engine_config leave a core to the front-end (the offline LLM has none)
+    cpu_threads: int | None = field(default=None, metadata={"serve_default": 0, "help": (
+        "torch threads of the engine on CPU; 0: one less than the usable cores, at least 1, leaving a core "
+        "to the gRPC front-end (default: 0)")})
+    # AsyncEngine: the engine loop in a child process, else a thread. `pagoda serve` runs it in a child;
+    # embedders and tests get a thread by default (no spawned process, no __main__ guard needed)
+    engine_process: bool = field(default=False, metadata={"serve_default": True, "help": (
+        "run the engine loop in its own process, so that the server's Python never holds the engine's GIL "
+        "(default: on; off: a thread of the server process)")})
+    # ranks the model is split over (engine/executor/parallel.py, engine/executor/workers.py)
+    tensor_parallel_size: int = field(default=1, metadata={"help": (
+        "split the model over this many ranks (processes; one GPU each on CUDA), which must divide its "
+        "attention heads (default: 1)")})
     tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
-    max_queue_wait_s: float | None = None  # a request never scheduled this long after arrival is refused
-    speculative_config: SpeculativeConfig | None = None  # speculative decoding; None: off (also a dict or JSON)
-    deterministic: bool = False  # a request's output bitwise the same whatever the batch (CPU; README)
+    # a request never scheduled this long after arrival is refused
+    max_queue_wait_s: float | None = field(default=None, metadata={
+        "flag": "--max-queue-wait", "type": _seconds, "none": 0.0, "help": (
+            "seconds a request may wait in the queue without being scheduled; then it is refused with "
+            "RESOURCE_EXHAUSTED (HTTP 429, Retry-After); 0: no limit (default: 0)")})
+    # speculative decoding; None: off (also a dict or JSON)
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata={
+        "type": _speculative_config, "metavar": "JSON", "help": (
+            "speculative decoding, as JSON in vLLM's terms, e.g. '{\"method\": \"ngram\", "
+            "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', or a draft model with the same "
+            "tokenizer: '{\"model\": \"PATH\", \"num_speculative_tokens\": 4}' (default: off)")})
+    deterministic: bool = field(default=False, metadata={"nargs": "?", "const": "on", "help": (
+        "bitwise the same tokens and logprobs for a request whatever else the server is doing (CPU; see the "
+        "README's Reproducibility; default: off)")})
     # LoRA adapters (engine/lora/adapters.py): ((name, path), ...); also a dict or vLLM's "NAME=PATH" / JSON list
-    lora_modules: tuple = ()
-    max_loras: int = 4  # adapters resident at once (a request for another waits for a free slot)
-    max_lora_rank: int = 16  # the largest adapter rank accepted (slots are this wide)
-    allow_lora_loading: bool = False  # adapters loaded/unloaded at run time (loading from a path is a privilege)
-    # CPU linear layers: onednn (weights packed once; float32 calls of a few rows over a second copy packed in
-    # panels), onednn-only (no second copy: half the memory), or mkl (torch's default GEMM)
-    cpu_linear: str = "onednn"
-    # float32 or bfloat16 on CPU: a Llama-family decoder layer of a few rows (float32: up to 28 on AVX-512, 12
-    # on AVX2; bfloat16: 8) as one C++ op, bitwise the layer's own ops (False: op by op from Python)
-    cpu_fused_layers: bool = True
+    lora_modules: tuple = field(default=(), metadata={
+        "env": False, "nargs": "+", "type": _lora_module, "metavar": "NAME=PATH", "help": (
+            "LoRA adapters (PEFT directories) served on the model, each requested by NAME as the model (HTTP "
+            "\"model\", gRPC adapter); also vLLM's JSON form '{\"name\": N, \"path\": P}'")})
+    max_loras: int = field(default=4, metadata={"type": _positive, "help": (
+        "LoRA adapters resident at once; a request for another waits in the queue for a free slot (default: 4)")})
+    max_lora_rank: int = field(default=16, metadata={  # slots are this wide
+        "type": _positive, "help": "the largest LoRA rank accepted (default: 16)"})
+    allow_lora_loading: bool = field(default=False, metadata={  # loading from a path is a privilege
+        "nargs": "?", "const": "on", "help": "allow loading and unloading LoRA adapters at run time (POST "
+        "/v1/load_lora_adapter, gRPC LoadLoRAAdapter; default: off)"})
+    cpu_linear: str = field(default="onednn", metadata={"choices": CPU_LINEARS, "help": (
+        "CPU linear layers: onednn (weights packed once for oneDNN; float32 calls of a few rows over a second "
+        "copy packed in panels), onednn-only (no second copy: half the weights' memory, slower decode) or mkl "
+        "(torch's default GEMM) (default: onednn)")})
+    # a few rows: float32 up to 28 on AVX-512, 12 on AVX2; bfloat16: 8 (False: op by op from Python)
+    cpu_fused_layers: bool = field(default=True, metadata={"help": (
+        "float32 or bfloat16 on CPU: a decoder layer (Llama family) of a few rows (decode steps) as one C++ "
+        "op, bitwise its ops one by one, without the Python between them (default: on)")})
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)

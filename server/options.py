@@ -3,6 +3,7 @@ keepalive, TLS, auth, metrics), built from `pagoda serve` flags by server/main.p
 tests. Standard library only, so the `pagoda` parser stays cheap to build."""
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 
@@ -28,46 +29,105 @@ DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S = 5.0
 # closing at the moment a client reuses the connection resets its request ("connection reset by
 # peer"), uvicorn's default of 5 s racing httpx's 5 s.
 DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S = 75.0
+DEFAULT_HTTP_PORT = 8000  # where OpenAI-compatible clients and tools look first (vLLM's, SGLang's default too)
+
+
+def _http_port(text: str) -> int | None:
+    """--http-port: a port, or off (argparse's ArgumentTypeError: a one-line error naming the flag)."""
+    if text.strip().lower() in ("off", "none", ""):
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535] (0: any free one) or off, got {text!r}")
+    return port
+
+
+def _limit(default, text: str, **meta):
+    return field(default=default, metadata={"group": "limits", "help": text, **meta})
 
 
 @dataclass
 class ServerOptions:
+    """A field with a "help" in its metadata is also a `pagoda serve` flag and PAGODA_* variable;
+    server/main.py's add_options says what the other metadata keys mean."""
     # request limits (engine/validation.py RequestLimits fields; None: the model's context)
-    max_prompt_tokens: int | None = None
-    max_tokens_limit: int | None = None
-    max_stop_strings: int = 16
-    max_stop_string_len: int = 256
-    max_stop_token_ids: int = 64
-    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
-    grammar_compile_timeout: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S  # seconds
+    max_prompt_tokens: int | None = _limit(None, "most prompt tokens; more: INVALID_ARGUMENT (default: 0, the "
+                                           "context length less one)", none=0)
+    max_tokens_limit: int | None = _limit(None, "largest stopping.max_tokens accepted (default: 0, the context "
+                                          "length)", none=0)
+    max_stop_strings: int = _limit(16, "most stop strings per request (default: 16)")
+    max_stop_string_len: int = _limit(256, "most characters per stop string (default: 256)")
+    max_stop_token_ids: int = _limit(64, "most stop token ids per request (default: 64)")
+    max_grammar_bytes: int = _limit(DEFAULT_MAX_GRAMMAR_BYTES, "largest structured output (JSON schema, regex, "
+                                    "choices, grammar) in bytes; larger: INVALID_ARGUMENT (default: "
+                                    f"{DEFAULT_MAX_GRAMMAR_BYTES})")
+    grammar_compile_timeout: float = _limit(DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, "seconds a structured output may "
+                                            "take to compile; longer: INVALID_ARGUMENT (default: "
+                                            f"{DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S:g})")
     # transport and load limits
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS
-    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S  # seconds; 0: no limit
-    keepalive_time: float = DEFAULT_KEEPALIVE_TIME_S
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S
-    keepalive_min_ping_interval: float = DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S
-    # seconds after which the server asks a client to reconnect (GOAWAY; calls in flight finish first),
-    # so that clients balancing over a DNS name see replicas added since; 0: never
-    max_connection_age: float = 0.0
-    http_keepalive_timeout: float = DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S  # seconds an idle HTTP connection is kept
-    # security
-    tls_cert: str | None = None  # PEM file paths
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # set: clients must present a certificate signed by it (mutual TLS)
-    api_key: str | None = field(default=None, repr=False)
-    # the OpenAI-compatible HTTP API (server/openai/), on --host: None off, 0 any free port
-    http_port: int | None = None
+    max_message_bytes: int = _limit(DEFAULT_MAX_MESSAGE_BYTES, "largest request/response message; larger: "
+                                    f"RESOURCE_EXHAUSTED (default: {DEFAULT_MAX_MESSAGE_BYTES}, 4 MiB)")
+    max_concurrent_streams: int = _limit(DEFAULT_MAX_CONCURRENT_STREAMS, "most Generate/GenerateStream calls in "
+                                         "flight; more: RESOURCE_EXHAUSTED (default: "
+                                         f"{DEFAULT_MAX_CONCURRENT_STREAMS})")
+    request_timeout: float = _limit(DEFAULT_REQUEST_TIMEOUT_S, "seconds a generation may run before it is "
+                                    "aborted with DEADLINE_EXCEEDED and its KV blocks freed; 0: no limit "
+                                    f"(default: {DEFAULT_REQUEST_TIMEOUT_S:g})")
+    keepalive_time: float = _limit(DEFAULT_KEEPALIVE_TIME_S, "seconds between the server's keepalive pings on a "
+                                   f"connection (default: {DEFAULT_KEEPALIVE_TIME_S:g})")
+    keepalive_timeout: float = _limit(DEFAULT_KEEPALIVE_TIMEOUT_S, "seconds to wait for a ping's answer before "
+                                      "dropping the connection and aborting its requests (default: "
+                                      f"{DEFAULT_KEEPALIVE_TIMEOUT_S:g})")
+    keepalive_min_ping_interval: float = _limit(
+        DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S, "shortest interval between client keepalive pings the server "
+        "accepts, also while no data flows (a long prefill); more frequent ones get GOAWAY (default: "
+        f"{DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S:g})")
+    max_connection_age: float = _limit(0.0, "seconds after which a client is asked to reconnect (calls in flight "
+                                       "finish first), so that clients balancing over a DNS name pick up new "
+                                       "replicas; 0: never (default: 0)")
+    http_keepalive_timeout: float = _limit(DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S, "seconds the HTTP API keeps an idle "
+                                           "connection open for the client's next request; keep it longer than "
+                                           "the clients' and proxies' own idle timeouts (default: "
+                                           f"{DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S:g})")
+    # security (PEM file paths)
+    tls_cert: str | None = field(default=None, metadata={"group": "security", "none": "", "help": (
+        "PEM certificate chain of the server; with --tls-key, serve TLS only")})
+    tls_key: str | None = field(default=None, metadata={"group": "security", "none": "", "help": (
+        "PEM private key of --tls-cert")})
+    tls_client_ca: str | None = field(default=None, metadata={"group": "security", "none": "", "help": (
+        "PEM CA bundle; clients must present a certificate it signed (mutual TLS)")})
+    api_key: str | None = field(default=None, repr=False, metadata={"group": "security", "none": "", "help": (
+        "require the metadata 'authorization: Bearer KEY' on every call but health and reflection; prefer the "
+        "environment variable (a flag shows in ps)")})
+    # the OpenAI-compatible HTTP API (server/openai/), on --host: None off, 0 any free port. Off unless
+    # asked for (tests, embedders); `pagoda serve` serves it on the port OpenAI clients try first
+    http_port: int | None = field(default=None, metadata={
+        "serve_default": DEFAULT_HTTP_PORT, "type": _http_port, "help": (
+            "port of the OpenAI-compatible HTTP API on the same host, 0 = any free one, off = none (default: "
+            f"{DEFAULT_HTTP_PORT})")})
     # the names clients may call the model by (HTTP "model", GetModelInfo.model_id: the first);
     # empty: the --model argument as given (the demo model: "pagoda-demo")
-    served_model_names: tuple[str, ...] = ()
-    # observability
-    metrics_port: int = 0  # 0: no metrics endpoint; -1: any free port (PagodaServer.metrics_port)
-    metrics_host: str = "0.0.0.0"
+    served_model_names: tuple[str, ...] = field(default=(), metadata={
+        "flag": "--served-model-name", "nargs": "+", "metavar": "NAME", "help": (
+            "the name(s) clients call the model by: HTTP's \"model\" (any of them; responses and GET /v1/models "
+            "give the first) and GetModelInfo.model_id (default: --model as given; the demo model: pagoda-demo; "
+            "env: names separated by spaces)")})
+    # observability; metrics_port 0: no metrics endpoint; -1: any free port (PagodaServer.metrics_port)
+    metrics_port: int = field(default=0, metadata={"group": "observability", "help": (
+        "serve Prometheus metrics on http://HOST:PORT/metrics; 0: off (default: 0)")})
+    metrics_host: str = field(default="0.0.0.0", metadata={"group": "observability", "help": (
+        "address of the metrics endpoint (default: 0.0.0.0)")})
     # chat tools: the call format (server/chat/tools.py FORMATS); None: the chat template's
-    tool_call_parser: str | None = None
+    tool_call_parser: str | None = field(default=None, metadata={"choices": TOOL_CALL_PARSERS, "help": (
+        "how the model writes tool calls: hermes (Qwen2.5/Qwen3, <tool_call>), llama3_json (Llama 3.1+) or "
+        "mistral ([TOOL_CALLS]) (default: from the chat template)")})
     # reasoning models: read <think>...</think> apart (server/chat/reasoning.py PARSERS); None: when the template has it
-    reasoning_parser: str | None = None
+    reasoning_parser: str | None = field(default=None, metadata={"choices": REASONING_PARSERS, "help": (
+        "return a reasoning model's <think>...</think> apart, as reasoning_content (default: when the chat "
+        "template writes <think>)")})
 
     def __post_init__(self):
         def positive(name, integer=True, zero=False):

@@ -173,10 +173,12 @@ def pagoda_command() -> list[str]:
 
 class ServeProcess:
     """`pagoda serve ... --host 127.0.0.1 --port 0 --http-port 0` in a subprocess; the ports are read from
-    its log (the HTTP port before the gRPC one)."""
+    its log (the HTTP port before the gRPC one). The engine runs in a thread of the server (a process
+    less to start) unless the test is of the process boundary and passes --engine-process on."""
 
     def __init__(self, *args: str, env: dict | None = None, timeout: float = 120):
-        cmd = pagoda_command() + ["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", *args]
+        cmd = pagoda_command() + ["serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
+                                  "--engine-process", "off", *args]
         self.proc = subprocess.Popen(cmd, cwd=str(REPO), env={**os.environ, **(env or {})},
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)

@@ -204,7 +204,7 @@ def test_node_client_sees_status_codes(served):
 def test_demo_server_drains_on_sigterm(tmp_path):
     env = {"PAGODA_CACHE": str(tmp_path / "cache"), "PAGODA_NUM_KV_BLOCKS": "256", "PAGODA_DEVICE": "cpu",
            "PAGODA_GRACE_PERIOD": "60"}
-    proc = ServeProcess(env=env).wait_ready(timeout=180)
+    proc = ServeProcess("--engine-process", "on", env=env).wait_ready(timeout=180)
     try:
         with Client(proc.target, timeout=60) as c:
             out = pagoda("generate", "Hello", "--stream", "--max-tokens", "8", "--target", proc.target)

@@ -19,7 +19,7 @@ from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
-SERVE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64"]
+SERVE_ARGS = ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64", "--engine-process", "on"]
 
 
 def engine_process(proc: ServeProcess, timeout: float = 120) -> int:

@@ -235,3 +235,23 @@ def test_the_demo_model_says_it_is_being_built(tmp_path, monkeypatch, caplog, ca
     assert tf_logging.is_progress_bar_enabled()  # turned off only while it was built
     caplog.clear()
     assert demo_model_path() == path and not caplog.records  # built once
+
+
+def test_serve_defaults_are_the_configs_own(monkeypatch):
+    """One table: `pagoda serve` with no flags builds the config dataclasses' own defaults, but where a
+    field says why the server's differs (serve_default)."""
+    import dataclasses
+    import os
+
+    from pagoda.client.cli import build_parser
+    from pagoda.engine.config import EngineConfig
+    from pagoda.server.main import engine_config, server_options
+    from pagoda.server.options import ServerOptions
+
+    for name in [n for n in os.environ if n.startswith("PAGODA_")]:
+        monkeypatch.delenv(name)
+    args = build_parser().parse_args(["serve"])
+    for built, default in ((engine_config(args), EngineConfig()), (server_options(args), ServerOptions())):
+        differ = {f.name for f in dataclasses.fields(built) if getattr(built, f.name) != getattr(default, f.name)}
+        serve_defaults = {f.name for f in dataclasses.fields(built) if "serve_default" in f.metadata}
+        assert differ <= serve_defaults, differ - serve_defaults

@@ -98,7 +98,7 @@ def _rank_pids(server_pid: int) -> list[int]:
 
 
 def test_killing_a_rank_mid_stream_fails_the_calls_and_the_server(checkpoint):
-    srv = ServeProcess("--model", checkpoint("llama"), "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
+    srv = ServeProcess("--model", checkpoint("llama"), "--engine-process", "on", "--tensor-parallel-size", "2", "--num-kv-blocks", "64",
                        "--max-model-len", "512", "--grace-period", "5")
     try:
         srv.wait_ready()
@@ -148,7 +148,7 @@ def test_a_hung_rank_fails_the_engine_within_its_timeout(checkpoint):
 
 
 def test_serve_refuses_a_size_that_does_not_divide_in_one_line(checkpoint):
-    srv = ServeProcess("--model", checkpoint("llama"), "--tensor-parallel-size", "3")
+    srv = ServeProcess("--model", checkpoint("llama"), "--engine-process", "on", "--tensor-parallel-size", "3")
     try:
         assert srv.proc.wait(120) != 0
         time.sleep(0.5)
@@ -182,7 +182,7 @@ def test_prompt_logprobs_and_structured_outputs_with_two_ranks(checkpoint):
 
 
 def test_sigterm_stops_every_rank(checkpoint):
-    srv = ServeProcess("--model", checkpoint("llama"), "--tensor-parallel-size", "2", "--num-kv-blocks", "64")
+    srv = ServeProcess("--model", checkpoint("llama"), "--engine-process", "on", "--tensor-parallel-size", "2", "--num-kv-blocks", "64")
     try:
         srv.wait_ready()
         ranks = _rank_pids(srv.proc.pid)

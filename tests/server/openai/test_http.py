@@ -250,7 +250,8 @@ def test_the_readme_curl_lines_against_pagoda_serve():
 
     from grpc_fixtures import ServeProcess
 
-    proc = ServeProcess("--model", tiny_checkpoint(), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
+    proc = ServeProcess("--model", tiny_checkpoint(), "--engine-process", "on", "--dtype", "float32", "--device", "cpu",
+                        "--num-kv-blocks", "64",
                         "--served-model-name", "pagoda-demo", "demo")
     try:
         proc.wait_ready()
