@@ -1,9 +1,9 @@
 """GPT-2: learned positions, LayerNorm, fused c_attn, GELU; Conv1D weights stored transposed."""
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from pagoda.engine.executor import parallel
+from pagoda.engine.layers.activation import activation
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 
 
@@ -35,7 +35,7 @@ class GPT2MLP(nn.Module):
         inner = cfg.n_inner or 4 * cfg.n_embd
         self.c_fc = parallel.column_parallel(cfg.n_embd, inner, True)
         self.c_proj = parallel.RowParallelLinear(inner, cfg.n_embd, bias=True)
-        self.act = ACT2FN[cfg.activation_function]
+        self.act = activation(cfg.activation_function)
 
     def forward(self, x):
         return self.c_proj(self.act(self.c_fc(x)))

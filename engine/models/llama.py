@@ -1,9 +1,9 @@
 """The Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm, own head_dim)."""
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from pagoda.engine.executor import parallel
+from pagoda.engine.layers.activation import activation
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
 from pagoda.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -73,7 +73,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = parallel.column_parallel(cfg.hidden_size, 2 * n, bias, pieces={0: [rows], 1: [rows]})
         self.gate_up_proj.shard_offsets = (0, n)
         self.down_proj = parallel.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-        self.act = ACT2FN[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
         self.is_silu = cfg.hidden_act == "silu"
 
     def forward(self, x):
