@@ -74,6 +74,28 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
     unset, so the server's default applies."""
     req = pb.GenerateStreamRequest() if stream else pb.GenerateRequest()
     req.request_id = request_id
+    _set_prompt(req, prompt, messages, prompts)
+    values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                  frequency_penalty=frequency_penalty, n=n)
+    for name in _SAMPLING:
+        if values[name] is not None:
+            setattr(req.sampling, name, values[name])
+    for token_id, bias in (logit_bias or {}).items():
+        req.sampling.logit_bias[token_id] = bias
+    req.sampling.bad_words.extend(bad_words)
+    _set_stopping(req.stopping, max_tokens, min_tokens, stop, stop_token_ids, ignore_eos, include_stop_str_in_output)
+    for name, value in (("skip_special_tokens", skip_special_tokens),
+                        ("truncate_prompt_tokens", truncate_prompt_tokens), ("prompt_logprobs", prompt_logprobs),
+                        ("time_limit_ms", time_limit_ms), ("top_logprobs", top_logprobs), ("adapter", adapter)):
+        if value is not None:
+            setattr(req, name, value)
+    req.logprobs, req.priority, req.echo = logprobs, priority, echo
+    _set_structured(req.structured_output, json_schema, json_object, regex, choice, grammar)
+    return req
+
+
+def _set_prompt(req, prompt, messages, prompts) -> None:
     if messages is not None:
         req.messages.SetInParent()  # an empty conversation is still "messages", which the server rejects
         for m in messages:
@@ -92,35 +114,21 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
                 one.text = p
             else:
                 one.token_ids.ids.extend(p)
-    values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                  frequency_penalty=frequency_penalty, n=n)
-    for name in _SAMPLING:
-        if values[name] is not None:
-            setattr(req.sampling, name, values[name])
+
+
+def _set_stopping(stopping, max_tokens, min_tokens, stop, stop_token_ids, ignore_eos, include_stop_str) -> None:
     if max_tokens is not None:
-        req.stopping.max_tokens = max_tokens
+        stopping.max_tokens = max_tokens
     if min_tokens is not None:
-        req.stopping.min_tokens = min_tokens
-    for token_id, bias in (logit_bias or {}).items():
-        req.sampling.logit_bias[token_id] = bias
-    req.sampling.bad_words.extend(bad_words)
-    req.stopping.stop.extend(stop)
-    req.stopping.stop_token_ids.extend(stop_token_ids)
-    req.stopping.ignore_eos = ignore_eos
-    if include_stop_str_in_output is not None:
-        req.stopping.include_stop_str_in_output = include_stop_str_in_output
-    for name, value in (("skip_special_tokens", skip_special_tokens),
-                        ("truncate_prompt_tokens", truncate_prompt_tokens), ("prompt_logprobs", prompt_logprobs),
-                        ("time_limit_ms", time_limit_ms)):
-        if value is not None:
-            setattr(req, name, value)
-    req.logprobs = logprobs
-    if top_logprobs is not None:
-        req.top_logprobs = top_logprobs
-    req.priority = priority
-    req.echo = echo
-    so = req.structured_output
+        stopping.min_tokens = min_tokens
+    stopping.stop.extend(stop)
+    stopping.stop_token_ids.extend(stop_token_ids)
+    stopping.ignore_eos = ignore_eos
+    if include_stop_str is not None:
+        stopping.include_stop_str_in_output = include_stop_str
+
+
+def _set_structured(so, json_schema, json_object: bool, regex, choice, grammar) -> None:
     if json_schema is not None:
         so.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
     if json_object:
@@ -132,9 +140,6 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Iterab
         so.choice.choices.extend(choice)
     if grammar is not None:
         so.grammar = grammar
-    if adapter is not None:
-        req.adapter = adapter
-    return req
 
 
 def _read(path: str | None) -> bytes | None:
