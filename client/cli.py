@@ -617,8 +617,6 @@ def _health(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    from pagoda.engine.config import DTYPES, QUANTIZATIONS  # torch-free
-
     parser = argparse.ArgumentParser(prog="pagoda", description="LLM text generation over gRPC")
     parser.add_argument("--version", action="version", version=f"pagoda {version('pagoda')}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -635,6 +633,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_args(p)
 
     p = command("generate", _generate, " (PROMPT | - | --file PATH)", help="generate a completion from a server")
+    _add_generate_args(p)
+
+    p = command("chat", _chat, help="chat interactively (streamed, keeps the conversation)")
+    p.add_argument("--system", type=_text_arg, default=None, help="system message opening the conversation")
+    _add_sampling(p)
+    _add_target(p)
+
+    p = command("tokenize", _tokenize, " (TEXT | - | --file PATH)", help="print the token ids of a text")
+    _add_prompt(p, metavar="TEXT", help="the text")
+    _add_target(p)
+
+    p = command("info", _info, help="print the served model and the server's limits (JSON)")
+    _add_target(p)
+
+    p = command("stats", _stats, help="print the server's load and KV cache occupancy (JSON)")
+    _add_target(p)
+
+    p = command("health", _health, help="check the server's health (grpc.health.v1); exit 0 only when SERVING")
+    p.add_argument("--service", default="", help='service name (default: "", the whole server)')
+    _add_target(p, timeout=5.0)
+
+    p = command("offline", _offline, " (PROMPT | - | --file PATH)", help="generate in this process, without a server")
+    _add_offline_args(p)
+    return parser
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
     _add_prompt(p, help="prompt text (or comma-separated token ids with --token-ids)")
     p.add_argument("--stream", action="store_true", help="print the completion as it is generated")
     p.add_argument("-n", "--n", type=_field("n", int), default=None,
@@ -658,26 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_target(p)
 
-    p = command("chat", _chat, help="chat interactively (streamed, keeps the conversation)")
-    p.add_argument("--system", type=_text_arg, default=None, help="system message opening the conversation")
-    _add_sampling(p)
-    _add_target(p)
 
-    p = command("tokenize", _tokenize, " (TEXT | - | --file PATH)", help="print the token ids of a text")
-    _add_prompt(p, metavar="TEXT", help="the text")
-    _add_target(p)
+def _add_offline_args(p: argparse.ArgumentParser) -> None:
+    from pagoda.engine.config import DTYPES, QUANTIZATIONS  # torch-free
 
-    p = command("info", _info, help="print the served model and the server's limits (JSON)")
-    _add_target(p)
-
-    p = command("stats", _stats, help="print the server's load and KV cache occupancy (JSON)")
-    _add_target(p)
-
-    p = command("health", _health, help="check the server's health (grpc.health.v1); exit 0 only when SERVING")
-    p.add_argument("--service", default="", help='service name (default: "", the whole server)')
-    _add_target(p, timeout=5.0)
-
-    p = command("offline", _offline, " (PROMPT | - | --file PATH)", help="generate in this process, without a server")
     _add_prompt(p)
     p.add_argument("--model", default=None, help="HF directory or hub id (default: built-in demo model)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
@@ -686,7 +695,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=_MAX_TOKENS, default=32)
     p.add_argument("--temperature", type=_TEMPERATURE, default=0.0)
     p.add_argument("--seed", type=_SEED, default=None)
-    return parser
 
 
 def openmp_waits_passively(env=os.environ) -> None:
