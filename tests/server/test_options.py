@@ -255,3 +255,57 @@ def test_serve_defaults_are_the_configs_own(monkeypatch):
         differ = {f.name for f in dataclasses.fields(built) if getattr(built, f.name) != getattr(default, f.name)}
         serve_defaults = {f.name for f in dataclasses.fields(built) if "serve_default" in f.metadata}
         assert differ <= serve_defaults, differ - serve_defaults
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--max-queue-wait", "soon", "must be a number of seconds >= 0"), ("--max-queue-wait", "-1", ">= 0"),
+    ("--max-queue-wait", "inf", ">= 0"), ("--max-loras", "0", "must be a positive integer"),
+    ("--max-lora-rank", "x", "must be a positive integer"), ("--speculative-config", "{", "speculative_config"),
+    ("--speculative-config", '{"method": "eagle"}', "method"), ("--lora-modules", "x", "NAME=PATH"),
+    ("--http-port", "70000", "must be a port in [0, 65535]"), ("--http-port", "eight", "or off"),
+    ("--dtype", "float64", "invalid choice"), ("--engine-process", "yes", "invalid choice"),
+])
+def test_a_bad_serve_flag_is_a_one_line_error_naming_it(flag, value, message, capsys):
+    from pagoda.client.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and flag in err and message in err, err
+
+
+@pytest.mark.parametrize("flag,value,field,want", [
+    ("--http-port", "off", "http_port", None), ("--http-port", "0", "http_port", 0),
+    ("--max-queue-wait", "0", "max_queue_wait_s", None), ("--max-queue-wait", "2.5", "max_queue_wait_s", 2.5),
+    ("--quantization", "none", "quantization", None), ("--lora-modules", "a=/p", "lora_modules", (("a", "/p"),)),
+    ("--speculative-config", "", "speculative_config", None),
+])
+def test_a_serve_flag_becomes_its_field(flag, value, field, want, monkeypatch):
+    from pagoda.client.cli import build_parser
+    from pagoda.server.main import engine_config, server_options
+
+    for name in [n for n in os.environ if n.startswith("PAGODA_")]:
+        monkeypatch.delenv(name)
+    args = build_parser().parse_args(["serve", flag, value])
+    built = server_options(args) if field == "http_port" else engine_config(args)
+    assert getattr(built, field) == want
+
+
+@pytest.mark.parametrize("option,value", [
+    ("http_port", 70000), ("served_model_names", ("",)), ("metrics_port", -2), ("tool_call_parser", "xml"),
+    ("reasoning_parser", "think"), ("tls_cert", "cert.pem"), ("tls_client_ca", "ca.pem"), ("api_key", "a key"),
+    ("keepalive_time", 0), ("max_stop_strings", -1),
+])
+def test_bad_server_option_names_it(option, value):
+    from pagoda.server.options import ServerOptions
+
+    with pytest.raises(ValueError, match=option.split("_")[0] if option.startswith("tls") else option):
+        ServerOptions(**{option: value})
+
+
+def test_the_engine_package_names_what_it_does_not_export():
+    import pagoda.engine
+
+    assert pagoda.engine.EngineRequest.__module__ == "pagoda.engine.core.core_io"
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        pagoda.engine.Nothing  # noqa: B018
