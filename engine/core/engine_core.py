@@ -14,6 +14,7 @@ from pagoda.engine.errors import AdapterNotFoundError, EngineDeadError
 from pagoda.engine.layers import deterministic, quantization
 from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
 from pagoda.engine.lora.adapters import AdapterInfo
+from pagoda.engine.lora import usable
 from pagoda.engine.lora.registry import AdapterRegistry, check_modules
 from pagoda.engine.executor.model_runner import ModelRunner, StepResult
 from pagoda.engine.models import architecture_of, build_model
@@ -229,11 +230,8 @@ class EngineCore:
 
     def check_adapter(self, name: str | None) -> None:
         """AdapterNotFoundError unless `name` (None: the base model) can take requests."""
-        if self.adapters is None:
-            if name is not None:
-                raise AdapterNotFoundError(name)
-            return
-        self.adapters.check(name)
+        if not usable(name, {} if self.adapters is None else self.adapters.infos, self.unloading):
+            raise AdapterNotFoundError(name)
 
     # ---- requests ----
 
@@ -411,7 +409,7 @@ class EngineCore:
         now, spec = time.monotonic(), self.speculator
         return EngineStats(num_waiting=self.num_waiting, uptime_s=now - self.started,
                            adapter_requests=dict(self.adapters.requests) if self.adapters else {},
-                           **dataclasses.asdict(self.block_manager.stats()), **scheduler_stats(self.scheduler, now),
+                           **vars(self.block_manager.stats()), **scheduler_stats(self.scheduler, now),
                            **(spec.stats() if spec else {}))
 
     def model_info(self) -> ModelInfo:
