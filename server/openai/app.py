@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP door, beside gRPC: the same engine, the same front-end and the same
-asyncio loop. OpenAIServer routes each path to its endpoint (completions.py, chat.py, routes.py);
-here too what every route shares: the API key and body size (before a body is read), a body that
-does not fit its model as OpenAI's 400 naming the field, and uvicorn on a socket bound here."""
+"""The HTTP door, beside gRPC: the same engine, the same front-end and the same asyncio loop.
+OpenAIServer routes each path to its endpoint (completions.py, chat.py, routes.py here; Anthropic's
+Messages in server/anthropic, Ollama's API in server/ollama); here too what every route shares: the
+API key and body size (before a body is read), a body that does not fit its model as a 400 naming the
+field, each in the dialect of the path's API, and uvicorn on a socket bound here."""
 from __future__ import annotations
 
 import asyncio
@@ -12,16 +13,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda.server.anthropic.errors import ANTHROPIC
+from pagoda.server.anthropic.messages import Messages
 from pagoda.server.auth import check_key, key_digest
+from pagoda.server.ollama.api import Ollama
+from pagoda.server.ollama.errors import OLLAMA
 from pagoda.server.openai.chat import Chat
-from pagoda.server.openai.responses import Responses
 from pagoda.server.openai.completions import Completions
-from pagoda.server.openai.errors import error_response
+from pagoda.server.openai.responses import Responses
 from pagoda.server.openai.routes import Routes
 from pagoda.server.openai.serving import Serving
+from pagoda.server.openai.sse import OPENAI, Dialect
 from pagoda.server.state import ServerState
 
 _OPEN_PATHS = {"/health", "/version", "/metrics"}
+# each API's paths, answered (errors included) in its dialect; every other path is OpenAI's
+_DIALECTS = (("/v1/messages", ANTHROPIC), ("/api/", OLLAMA))
+
+
+def dialect_of(path: str) -> Dialect:
+    return next((d for prefix, d in _DIALECTS if path.startswith(prefix)), OPENAI)
 
 
 class OpenAIServer:
@@ -33,6 +44,7 @@ class OpenAIServer:
         serving = Serving(state)
         completions, chat, routes = Completions(serving), Chat(serving), Routes(serving)
         responses = Responses(chat)
+        messages, ollama = Messages(Serving(state, ANTHROPIC)), Ollama(Serving(state, OLLAMA))
         # no redirect for a trailing slash: each route answers with and without one
         self.app = FastAPI(title="pagoda", openapi_url=None, docs_url=None, redoc_url=None, redirect_slashes=False)
         self.app.add_exception_handler(RequestValidationError, _invalid_body)
@@ -45,32 +57,38 @@ class OpenAIServer:
                 ("POST", "/tokenize", routes.tokenize), ("POST", "/detokenize", routes.detokenize),
                 ("GET", "/health", routes.health), ("GET", "/stats", routes.stats), ("GET", "/version", routes.version),
                 ("GET", "/metrics", routes.metrics), ("POST", "/v1/load_lora_adapter", routes.load_lora_adapter),
-                ("POST", "/v1/unload_lora_adapter", routes.unload_lora_adapter)):
+                ("POST", "/v1/unload_lora_adapter", routes.unload_lora_adapter),
+                *messages.routes(), *ollama.routes()):
             for route in (path, path + "/"):
                 self.app.add_api_route(route, handler, methods=[method], include_in_schema=False)
 
     async def _guard(self, request: Request, call_next):
-        """API key (all but /health, /version and /metrics, as vLLM) and request size, before a body is read."""
+        """API key (all but /health, /version and /metrics, as vLLM; `Authorization: Bearer KEY`, or Anthropic's
+        `x-api-key: KEY`) and request size, before a body is read."""
+        dialect = dialect_of(request.url.path)
         if self._key is not None and request.url.path.rstrip("/") not in _OPEN_PATHS:
             auth = request.headers.get("authorization", "")
-            token = auth[7:] if auth.lower().startswith("bearer ") else None
+            token = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
             if not check_key(token, self._key):
-                return error_response(401, "a valid API key is required: Authorization: Bearer KEY")
+                return dialect.error_response(401, "a valid API key is required: Authorization: Bearer KEY "
+                                                   "(or x-api-key: KEY)")
         size = request.headers.get("content-length")
         limit = self.state.options.max_message_bytes
         if size is not None and size.isdigit() and int(size) > limit:
-            return error_response(413, f"the request body is {size} bytes, more than this server's {limit} "
-                                       f"(--max-message-bytes)")
+            return dialect.error_response(413, f"the request body is {size} bytes, more than this server's {limit} "
+                                               f"(--max-message-bytes)")
         return await call_next(request)
 
 
 async def _no_route(request: Request, exc: StarletteHTTPException) -> Response:
+    dialect = dialect_of(request.url.path)
     if exc.status_code in (404, 405):
-        return error_response(exc.status_code, f"no route {request.method} {request.url.path}")
-    return error_response(exc.status_code, str(exc.detail))
+        return dialect.error_response(exc.status_code, f"no route {request.method} {request.url.path}")
+    return dialect.error_response(exc.status_code, str(exc.detail))
 
 
 async def _invalid_body(request: Request, exc: RequestValidationError) -> Response:
+    error_response = dialect_of(request.url.path).error_response
     err = exc.errors()[0] if exc.errors() else {}
     param = _param_of(err.get("loc", ()))
     kind = err.get("type", "")
@@ -118,8 +136,8 @@ class _ChunkedBodyLimit:
                     break
                 size += len(message.get("body", b""))
                 if size > limit:
-                    response = error_response(413, f"the request body is more than this server's {limit} bytes "
-                                                   f"(--max-message-bytes)")
+                    response = dialect_of(scope["path"]).error_response(
+                        413, f"the request body is more than this server's {limit} bytes (--max-message-bytes)")
                     return await response(scope, receive, send)
                 parts.append(message.get("body", b""))
                 if not message.get("more_body", False):

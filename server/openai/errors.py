@@ -1,10 +1,6 @@
-"""OpenAI's error object, from any exception through server/state.py's one map (status_for, HTTP_STATUS)."""
+"""OpenAI's error object, and any exception's HTTP parts through server/state.py's one map (status_for,
+HTTP_STATUS); sse.py's Dialect writes them as responses."""
 from __future__ import annotations
-
-import math
-
-import orjson
-from fastapi.responses import Response
 
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.server.state import HTTP_STATUS, status_for
@@ -23,22 +19,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "code": code or ERROR_CODES.get(status)}}
 
 
-def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None,
-                   code: str | None = None) -> Response:
-    return Response(orjson.dumps(error_body(status, message, param, code)), status_code=status,
-                    media_type="application/json", headers=headers)
-
-
 def error_parts(e: Exception) -> tuple[int, str, str | None, str | None]:
     """(HTTP status, message, param, code) of an exception, through the one status map."""
     code, message = status_for(e)
     param = e.field if isinstance(e, InvalidRequestError) else None
     return HTTP_STATUS.get(code, 500), message, param, getattr(e, "reason", None)
-
-
-def error_for(e: Exception) -> Response:
-    status, message, param, code = error_parts(e)
-    # seconds, a whole number >= 1 (RFC 9110): the queue-wait estimate where the refusal has one
-    wait = getattr(e, "retry_after", None) or 1
-    headers = {"Retry-After": str(max(1, math.ceil(wait)))} if status in (429, 503) else None
-    return error_response(status, message, param, headers, code)

@@ -15,7 +15,6 @@ from pagoda.engine.errors import InvalidRequestError
 from pagoda.server.chat.answer import AnswerStream
 from pagoda.engine.validation import new_request_id
 from pagoda.server.openai.chat import Chat
-from pagoda.server.openai.errors import error_for
 from pagoda.server.openai.protocol import ChatMessage, ChatRequest, ResponsesRequest
 from pagoda.server.openai.serving import Call
 
@@ -36,7 +35,7 @@ class Responses:
         try:
             chat = to_chat(body)
         except InvalidRequestError as e:
-            return error_for(e)
+            return self.serving.dialect.error_for(e)
         return await self.serving.generate(chat, request, "resp_", partial(self._requests, chat),
                                            partial(_whole, body), partial(_events, body))
 
@@ -147,6 +146,12 @@ def _tools(tools):
     return out
 
 
+def _echoed_tools(tools) -> list:
+    """The function tools as a Response echoes them: with `strict` (OpenAI's spec requires it; a Responses
+    function tool is strict unless sent with strict false, and this server enforces every call's schema)."""
+    return [{**t, "strict": t.get("strict") is not False} if isinstance(t, dict) else t for t in tools or []]
+
+
 def _tool_choice(choice):
     if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
         return {"type": "function", "function": {"name": choice["name"]}}
@@ -169,7 +174,7 @@ def _response(body: ResponsesRequest, call: Call, status: str, output: list, out
         "id": call.id, "object": "response", "created_at": call.created, "model": call.model,
         "status": "incomplete" if incomplete else status, "error": None,
         "incomplete_details": {"reason": incomplete} if incomplete else None,
-        "instructions": body.instructions, "output": output, "tools": body.tools or [],
+        "instructions": body.instructions, "output": output, "tools": _echoed_tools(body.tools),
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False, "metadata": body.metadata or {},
         "temperature": body.temperature if body.temperature is not None else 1.0,

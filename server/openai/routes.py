@@ -10,7 +10,6 @@ from fastapi.responses import Response
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.validation import check_text
 from pagoda.server.openai.chat import render_chat
-from pagoda.server.openai.errors import error_for, error_response
 from pagoda.server.openai.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
                                            UnloadLoRAAdapterRequest)
 from pagoda.server.openai.serving import Serving, json_response
@@ -57,7 +56,7 @@ class Routes:
             with self.state.admit(generation=False) as engine:
                 await work(engine)
         except Exception as e:
-            return error_for(e)
+            return self.serving.dialect.error_for(e)
         return Response(message, media_type="text/plain")
 
     async def version(self) -> Response:
@@ -69,7 +68,7 @@ class Routes:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         if self.state.metrics is None:
-            return error_response(404, "this server keeps no metrics")
+            return self.serving.dialect.error_response(404, "this server keeps no metrics")
         return Response(generate_latest(self.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def stats(self) -> Response:

@@ -21,7 +21,6 @@ from pagoda.engine.validation import new_request_id
 from pagoda.server.chat.answer import AnswerReader
 from pagoda.server.calls import open_requests
 from pagoda.server.openai import sse
-from pagoda.server.openai.errors import error_for
 from pagoda.server.openai.logprobs import Logprobs
 from pagoda.server.openai.protocol import renamed, structured
 from pagoda.server.state import ServerError, ServerState, status_for
@@ -40,8 +39,10 @@ class Call:
 
 
 class Serving:
-    def __init__(self, state: ServerState):
-        self.state = state
+    """The skeleton, answering in one API's dialect (OpenAI's by default)."""
+
+    def __init__(self, state: ServerState, dialect: sse.Dialect = sse.OPENAI):
+        self.state, self.dialect = state, dialect
 
     async def generate(self, body, request: Request, id_prefix: str, make, answer, chunks) -> Response:
         """make(engine, call id) -> the call's EngineRequests and their AnswerReader (a refusal is an error
@@ -65,7 +66,7 @@ class Serving:
         except Exception as e:
             self._finish(record, status_for(e)[0])
             await stack.aclose()
-            return error_for(e)
+            return self.dialect.error_for(e)
         call = Call(rid, int(time.time()), adapter or self.model_id(), engine, reqs, reader,
                     Logprobs(engine.vocab))
         if body.stream:
@@ -78,7 +79,8 @@ class Serving:
         async def close():  # the call's end, however it ends: even cancelled before its first chunk
             self._finish(record, status["code"])
             await stack.aclose()  # aborts every request that has not finished
-        return sse.EventStream(sse.events(chunks, status), close, headers={"X-Request-Id": rid})
+        return sse.EventStream(self.dialect.events(chunks, status), close, {"X-Request-Id": rid},
+                               self.dialect.media_type)
 
     async def _whole(self, answer, outputs, request: Request, record, stack, rid: str) -> Response:
         """Every choice to its end, answered whole; a client that leaves first aborts them all."""
@@ -88,7 +90,7 @@ class Serving:
             return json_response(answer(outs), headers={"X-Request-Id": rid})
         except Exception as e:
             code = status_for(e)[0]
-            return error_for(e)
+            return self.dialect.error_for(e)
         finally:
             self._finish(record, code)
             await stack.aclose()
@@ -112,7 +114,7 @@ class Serving:
             with self.state.admit(generation=False) as engine:
                 return json_response(work(engine))
         except Exception as e:
-            return error_for(e)
+            return self.dialect.error_for(e)
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's "model" names (None: the base model); 404 model_not_found for

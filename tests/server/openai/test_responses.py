@@ -101,3 +101,14 @@ def test_bad_input_is_a_400_naming_the_field(oai, srv, kw, param):
         oai.responses.create(**{"model": "m", "input": "hi", "max_output_tokens": 2, **kw})
     assert e.value.body["param"] == param, e.value.body
     assert srv.engine.num_in_flight == 0
+
+
+def test_echoed_function_tools_carry_strict(oai):
+    """OpenAI's spec requires `strict` on a Response's function tools: as sent, else true (every call enforced)."""
+    loose = {k: v for k, v in TOOLS[0].items() if k != "strict"}
+    lax = {**loose, "name": "get_time", "strict": False}
+    r = oai.responses.create(model="m", input="hi", tools=[loose, lax], tool_choice="none", max_output_tokens=2)
+    assert [(t.name, t.strict) for t in r.tools] == [("get_weather", True), ("get_time", False)]
+    raw = oai.responses.with_raw_response.create(model="m", input="hi", tools=[loose], tool_choice="none",
+                                                 max_output_tokens=2).http_response.json()
+    assert raw["tools"][0]["strict"] is True
