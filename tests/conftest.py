@@ -23,6 +23,13 @@ FAMILIES = {
     "qwen2": dict(arch="qwen2", initializer_range=0.3),
     "qwen3": dict(arch="qwen3", initializer_range=0.3, head_dim=48),
     "gpt2": dict(arch="gpt2", initializer_range=0.3),
+    # Llama's relatives: each with the parts it switches on made to matter (multipliers far from 1, half the
+    # layers without RoPE, half of each head rotated)
+    "granite": dict(arch="granite", initializer_range=0.3, embedding_multiplier=3.0, residual_multiplier=0.5,
+                    attention_multiplier=0.2, logits_scaling=2.0),
+    "olmo2": dict(arch="olmo2", initializer_range=0.3),
+    "smollm3": dict(arch="smollm3", initializer_range=0.3, no_rope_layer_interval=2),
+    "phi3": dict(arch="phi3", initializer_range=0.3, partial_rotary_factor=0.5),
 }
 
 

@@ -16,13 +16,22 @@ def rope_parameters(hf_config) -> dict:
     return scaling
 
 
+def rotary_dim(hf_config, head_dim: int) -> int:
+    """The dimensions of each head that rotate (the first ones): all, or partial_rotary_factor of them (Phi-4-mini)."""
+    factor = rope_parameters(hf_config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(hf_config, "partial_rotary_factor", None) or 1.0
+    if not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor!r}")
+    return int(head_dim * factor)
+
+
 def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(hf_config)
     rope_type = params.get("rope_type", "default")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("rope_parameters.partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        dim = rotary_dim(hf_config, head_dim)
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     if rope_type == "dynamic":
         raise ValueError("rope_scaling type 'dynamic' is not supported (its frequencies change with length)")
@@ -43,20 +52,22 @@ class RopeInputs:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (first half with second half), cos/sin tabled for every position."""
+    """Neox-style rotation (first half with second half) of each head's first rotary_dim dimensions,
+    cos/sin tabled for every position."""
     fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 and bfloat16 models on CPU)
 
     def __init__(self, hf_config, head_dim: int, max_position: int):
         super().__init__()
         inv_freq, scaling = inverse_frequencies(hf_config, head_dim)
+        self.rotary_dim, self.head_dim = rotary_dim(hf_config, head_dim), head_dim
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions, dtype) -> RopeInputs:
         # positions: [num_tokens]
-        if self.fused_ops is not None:
+        if self.fused_ops is not None and self.rotary_dim == self.head_dim:  # the op rotates whole heads
             return RopeInputs(self.cos, self.sin, positions, self.fused_ops)
         return RopeInputs(self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :])
 
@@ -66,7 +77,15 @@ def apply_rotary(q, k, rope: RopeInputs):
     if rope.fused_ops is not None:
         rope.fused_ops.rotary_(q, k, rope.positions, rope.cos, rope.sin)  # in place
         return q, k
-    return q * rope.cos + _rotate_half(q) * rope.sin, k * rope.cos + _rotate_half(k) * rope.sin
+    n = rope.cos.shape[-1]
+    if n < q.shape[-1]:  # partial: the rest of each head passes unrotated
+        return (torch.cat((_rotate(q[..., :n], rope), q[..., n:]), dim=-1),
+                torch.cat((_rotate(k[..., :n], rope), k[..., n:]), dim=-1))
+    return _rotate(q, rope), _rotate(k, rope)
+
+
+def _rotate(x, rope: RopeInputs):
+    return x * rope.cos + _rotate_half(x) * rope.sin
 
 
 def _rotate_half(x):

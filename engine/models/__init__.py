@@ -1,6 +1,9 @@
 """Architectures pagoda runs, keyed by the `architectures` entry of a checkpoint's config.json."""
 from pagoda.engine.models.gpt2 import GPT2LMHeadModel
+from pagoda.engine.models.granite import granite
 from pagoda.engine.models.llama import LlamaForCausalLM, qwen2, qwen3
+from pagoda.engine.models.olmo2 import Olmo2ForCausalLM
+from pagoda.engine.models.smollm3 import smollm3
 
 MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -8,6 +11,10 @@ MODELS = {
     "Qwen2ForCausalLM": qwen2,
     "Qwen3ForCausalLM": qwen3,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GraniteForCausalLM": granite,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up stored fused: LlamaAttention/LlamaMLP load either
+    "SmolLM3ForCausalLM": smollm3,
 }
 
 

@@ -1,11 +1,15 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm, own head_dim)."""
+"""The Llama family and the decoder parts its relatives share: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3
+(q/k norm per head, own head_dim); Granite, SmolLM3, Phi-3 and OLMo 2 (their own files) switch parts on
+through Parts."""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from pagoda.engine.executor import parallel
 from pagoda.engine.layers.activation import activation
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
-from pagoda.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from pagoda.engine.layers.rotary import RotaryEmbedding, apply_rotary, rotary_dim
 
 
 class RMSNorm(nn.Module):
@@ -31,8 +35,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a family switches on over Llama's layers (each from the checkpoint's config, as transformers reads it)."""
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # "head": each head's q and k (Qwen3); "full": the whole projections (OLMo 2)
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Granite: attention_multiplier)
+    residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
+    embedding_multiplier: float = 1.0  # Granite
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    rope_layers: tuple | None = None  # per layer, whether it rotates q and k (SmolLM3's NoPE layers); None: all
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, cfg, parts: Parts, use_rope: bool = True):
         super().__init__()
         # this rank's share of the heads (all of them without tensor parallelism)
         heads = cfg.num_attention_heads
@@ -41,23 +58,36 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads, first_kv = parallel.kv_heads(getattr(cfg, "num_key_value_heads", None) or heads)
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         q_rows, kv_rows = (parallel.group().rank * self.q_size, self.q_size), (first_kv * hd, self.kv_size)
-        self.qkv_proj = parallel.column_parallel(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias,
+        self.qkv_proj = parallel.column_parallel(cfg.hidden_size, self.q_size + 2 * self.kv_size, parts.qkv_bias,
                                                  pieces={0: [q_rows], 1: [kv_rows], 2: [kv_rows]})
         self.qkv_proj.shard_offsets = (0, self.q_size, self.q_size + self.kv_size)
-        self.o_proj = parallel.RowParallelLinear(heads * hd, cfg.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        kv_all = (getattr(cfg, "num_key_value_heads", None) or heads) * hd
+        # a checkpoint that stores q, k and v as one tensor (Phi-3): this rank's rows of each
+        self.qkv_proj.tp_parts[None] = [q_rows, (heads * hd + kv_rows[0], kv_rows[1]),
+                                        (heads * hd + kv_all + kv_rows[0], kv_rows[1])]
+        self.o_proj = parallel.RowParallelLinear(heads * hd, cfg.hidden_size, bias=parts.o_bias)
+        self.qk_norm, self.use_rope, self.rotary_dim = parts.qk_norm, use_rope, rotary_dim(cfg, hd)
+        if parts.qk_norm == "full" and parallel.group().size > 1:
+            raise ValueError("q/k norms over the whole projection (OLMo 2) do not split across tensor-parallel "
+                             "ranks: use --tensor-parallel-size 1")
+        q_dim, k_dim = (self.q_size, self.kv_size) if parts.qk_norm == "full" else (hd, hd)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if parts.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if parts.qk_norm else None
+        scale = parts.attention_scale if parts.attention_scale is not None else hd ** -0.5
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale)
 
     def forward(self, rope, x, meta: AttentionMetadata):
         # x: [num_tokens, hidden]; rope: (cos, sin) of each token's position
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
+        if self.use_rope:
+            q, k = apply_rotary(q, k, rope)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
@@ -72,6 +102,7 @@ class LlamaMLP(nn.Module):
         rows = (parallel.group().rank * n, n)
         self.gate_up_proj = parallel.column_parallel(cfg.hidden_size, 2 * n, bias, pieces={0: [rows], 1: [rows]})
         self.gate_up_proj.shard_offsets = (0, n)
+        self.gate_up_proj.tp_parts[None] = [rows, (cfg.intermediate_size + rows[0], n)]  # stored as one (Phi-3)
         self.down_proj = parallel.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = activation(cfg.hidden_act)
         self.is_silu = cfg.hidden_act == "silu"
@@ -87,12 +118,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     fused = None  # FusedDecoderLayer, bound by the model runner where the layer qualifies (fuse_decoder_layer)
 
-    def __init__(self, cfg, **attn_options):
+    def __init__(self, cfg, parts: Parts, use_rope: bool = True):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, **attn_options)
+        self.self_attn = LlamaAttention(cfg, parts, use_rope)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual_multiplier = parts.residual_multiplier
 
     def forward(self, rope, x, residual, meta):
         # the layer's input is x + residual (residual None: just x, the first layer); the residual
@@ -103,8 +135,11 @@ class LlamaDecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(rope, x, meta), residual)
-        return self.mlp(x), residual
+        m = self.residual_multiplier
+        x = self.self_attn(rope, x, meta)
+        x, residual = self.post_attention_layernorm(x if m == 1 else x * m, residual)
+        x = self.mlp(x)
+        return x if m == 1 else x * m, residual
 
 
 class FusedDecoderLayer:
@@ -142,6 +177,8 @@ def fuse_decoder_layer(layer: LlamaDecoderLayer, ops, backend) -> FusedDecoderLa
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (a.q_norm, a.k_norm) if n]
     if None in linears or a.o_proj.tp.size > 1 or mlp.down_proj.tp.size > 1:
         return None
+    if not (a.use_rope and a.qk_norm != "full" and layer.residual_multiplier == 1 and a.rotary_dim == a.head_dim):
+        return None  # parts the op does not have
     if not (mlp.is_silu and mlp.fused_ops is not None and all(n.fused_ops is not None for n in norms)
             and len({n.eps for n in norms}) == 1 and a.attn.backend is backend):
         return None
@@ -154,13 +191,15 @@ class LlamaForCausalLM(nn.Module):
     packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg, qkv_bias=None, o_bias=None, qk_norm=False):
+    layer_class = LlamaDecoderLayer
+
+    def __init__(self, cfg, parts: Parts | None = None):
         super().__init__()
         bias = getattr(cfg, "attention_bias", False)
-        options = dict(qkv_bias=bias if qkv_bias is None else qkv_bias,
-                       o_bias=bias if o_bias is None else o_bias, qk_norm=qk_norm)
+        self.parts = parts = parts or Parts(qkv_bias=bias, o_bias=bias)
         self.embed_tokens = parallel.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, **options) for _ in range(cfg.num_hidden_layers))
+        rope_layers = parts.rope_layers or (True,) * cfg.num_hidden_layers
+        self.layers = nn.ModuleList(self.layer_class(cfg, parts, bool(r)) for r in rope_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings)
@@ -172,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata):
         # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        if self.parts.embedding_multiplier != 1:
+            x = x * self.parts.embedding_multiplier
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.layers:
@@ -179,7 +220,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden)  # [num_seqs, vocab]
+        logits = self.lm_head(hidden)  # [num_seqs, vocab]
+        return logits if self.parts.logits_divisor == 1 else logits / self.parts.logits_divisor
 
     def checkpoint_name(self, name: str) -> tuple[str, int | None] | None:
         """Map a checkpoint tensor name to (our parameter name, shard index), or None to skip."""
@@ -195,8 +237,9 @@ class LlamaForCausalLM(nn.Module):
 
 
 def qwen2(cfg):
-    return LlamaForCausalLM(cfg, qkv_bias=True, o_bias=False)
+    return LlamaForCausalLM(cfg, Parts(qkv_bias=True))
 
 
 def qwen3(cfg):
-    return LlamaForCausalLM(cfg, qk_norm=True)
+    bias = getattr(cfg, "attention_bias", False)
+    return LlamaForCausalLM(cfg, Parts(qkv_bias=bias, o_bias=bias, qk_norm="head"))

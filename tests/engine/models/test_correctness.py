@@ -52,9 +52,14 @@ def _uses_cpu_ops(llm) -> bool:
     attention = [getattr(b, "__name__", "") for b in backends] == ["pagoda.engine.layers.cpu_attention"]
     # the fused layers come with it (float32; gpt2 has none)
     assert not fused or (all(fused) == attention and any(fused) == attention)
-    # and a Llama-family layer of a few rows runs as one op (float32, weights in panels)
-    layers = [m.fused is not None for m in modules if type(m).__name__ == "LlamaDecoderLayer"]
-    assert not layers or (all(layers) == attention and any(layers) == attention)
+    # and a Llama-family layer of a few rows runs as one op (float32, weights in panels) where the op has its
+    # parts (not Granite's multipliers, SmolLM3's layers without RoPE or Phi's partial rotation)
+    layers = [m for m in modules if type(m).__name__ == "LlamaDecoderLayer"]
+    plain = [m.fused is not None for m in layers if m.residual_multiplier == 1 and m.self_attn.use_rope
+             and m.self_attn.rotary_dim == m.self_attn.head_dim]
+    assert not plain or (all(plain) == attention and any(plain) == attention)
+    assert all(m.fused is None for m in layers if m.residual_multiplier != 1 or not m.self_attn.use_rope
+               or m.self_attn.rotary_dim != m.self_attn.head_dim)
     return attention
 
 
