@@ -152,7 +152,7 @@ def run_decode(ta, ref, x, batch, context, args, device):
     q, kc, vc, bt, cl, scale = x["q"], x["k_cache"], x["v_cache"], x["block_tables"], x["context_lens"], x["scale"]
     out = torch.empty_like(q)
     row = {"splits": ta.decode_split_plan(batch, kc.shape[2], context, ta._num_sms(device))[0]}
-    row["triton_ms"] = bench_ms(lambda: ta.decode_attention(q, kc, vc, bt, cl, scale, context, out=out), device,
+    row["triton_ms"] = bench_ms(lambda: ta.decode_attention(q, kc, vc, bt, cl, scale, max_context_len=context, out=out), device,
                                 args.cuda_graph)
     kv_bytes = 2 * batch * context * kc.shape[2] * kc.shape[3] * kc.element_size()
     row["bytes"] = kv_bytes + 2 * q.numel() * q.element_size()
@@ -272,7 +272,7 @@ def sweep(ta, args, device, copy_gbs):
             ta.DECODE_CONFIG.update(cfg)
             ta._PROGRAMS_PER_SM = per_sm
             try:
-                ms = bench_ms(lambda: ta.decode_attention(q, kc, vc, bt, cl, x["scale"], context, out=out), device)
+                ms = bench_ms(lambda: ta.decode_attention(q, kc, vc, bt, cl, x["scale"], max_context_len=context, out=out), device)
             except Exception as e:  # e.g. out of shared memory
                 print(f"  {cfg} per_sm={per_sm}: {type(e).__name__}: {str(e)[:80]}")
                 continue
@@ -354,6 +354,8 @@ def capture_launches(ta, dtype, block_size):
     """Call the wrappers on CPU tensors with kernel launches intercepted: -> [(kernel, args, kwargs)]."""
     from triton.runtime.jit import JITFunction
 
+    from pagoda.engine.layers.attention import Variant
+
     launches = []
     run = JITFunction.run
     JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))
@@ -362,9 +364,11 @@ def capture_launches(ta, dtype, block_size):
             kc = torch.empty(64, block_size, num_kv_heads, head_dim, dtype=dtype)
             q = torch.empty(4, num_heads, head_dim, dtype=dtype)
             bt, cl = torch.zeros(4, 8, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
-            for num_splits in (1, 4):
-                ta.decode_attention(q, kc, kc, bt, cl, 0.1, 4096, num_splits=num_splits)
-            ta.prefill_attention(q, kc, kc, bt, torch.zeros(5, dtype=torch.int32), cl, 0.1, 100)
+            # plain, and the variants models combine: Gemma 2's window and soft-cap, gpt-oss's window and sinks
+            for var in (Variant(), Variant(window=4096, softcap=50.0), Variant(window=128, sinks=torch.zeros(num_heads))):
+                for num_splits in (1, 4):
+                    ta.decode_attention(q, kc, kc, bt, cl, 0.1, var, max_context_len=4096, num_splits=num_splits)
+                ta.prefill_attention(q, kc, kc, bt, torch.zeros(5, dtype=torch.int32), cl, 0.1, 100, var)
             ta.write_kv_cache(q[:, :num_kv_heads], q[:, :num_kv_heads], kc, kc, torch.zeros(4, dtype=torch.int64))
     finally:
         JITFunction.run = run

@@ -2,7 +2,8 @@
 
 The flat batch holds single-token queries first (decode), then multi-token ones (prefill
 chunks). Each sequence's new tokens are the last ones of its context, and their K/V are
-written into the cache before attention reads it back.
+written into the cache before attention reads it back. A layer's Variant adds a sliding window,
+soft-capped scores or sinks; every backend takes one.
 """
 import functools
 import logging
@@ -13,6 +14,26 @@ import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What a layer's attention adds to plain causal softmax attention (each as transformers defines it)."""
+    window: int = 0  # a token sees the last `window` keys, its own included (Mistral's, Gemma's sliding window); 0: all
+    softcap: float = 0.0  # scores -> softcap * tanh(scores / softcap), after the scale (Gemma 2); 0: none
+    sinks: torch.Tensor | None = None  # [num_heads] float32: a learned logit each head's softmax also covers (gpt-oss)
+
+    @property
+    def is_plain(self) -> bool:
+        return not (self.window or self.softcap or self.sinks is not None)
+
+    @property
+    def op_args(self) -> tuple:
+        """pagoda's C++ op's window, softcap and sinks arguments."""
+        return self.window, self.softcap, self.sinks
+
+
+PLAIN = Variant()
 
 
 @dataclass
@@ -85,20 +106,40 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(num_seqs, -1, *cache.shape[2:])
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, variant: Variant = PLAIN):
     # q: [num_seqs, num_heads, head_dim] -> out: same shape
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k = _gather(k_cache, block_tables).transpose(1, 2)  # [S, kvh, L, D]
     v = _gather(v_cache, block_tables).transpose(1, 2)
-    mask = torch.arange(k.shape[2], device=q.device)[None, :] < context_lens[:, None]  # [S, L]
+    k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    mask = k_pos < context_lens[:, None]  # [S, L]
+    if variant.window:
+        mask &= k_pos >= context_lens[:, None] - variant.window
     # A GQA group's query heads become that KV head's query rows: no K/V repeat needed.
     q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = sdpa(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    sinks = None if variant.sinks is None else variant.sinks.view(num_kv_heads, -1)[None, :, :, None]
+    out = _attend(q, k, v, mask[:, None, None, :], scale, variant.softcap, sinks)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len):
+def _attend(q, k, v, mask, scale, softcap: float = 0.0, sinks=None):
+    """sdpa, or where a variant needs what it lacks (soft-capped scores, sinks) the same in plain torch,
+    in float32. q: [..., Q, D], k, v: [..., L, D], mask: broadcast to [..., Q, L]; sinks: to [..., Q, 1]."""
+    if not softcap and sinks is None:
+        return sdpa(q, k, v, attn_mask=mask, scale=scale)
+    scores = q.float() @ k.float().transpose(-1, -2) * scale  # [..., Q, L]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    p = torch.softmax(scores, dim=-1)[..., :k.shape[-2]]
+    return (p @ v.float()).to(q.dtype)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
+                      variant: Variant = PLAIN):
     # q: [num_tokens, num_heads, head_dim] flat over sequences -> out: same shape
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -112,17 +153,31 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, contex
     q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_query_len, device=q.device)  # [S, Q]
     k_pos = torch.arange(k.shape[2], device=q.device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]; padded query rows see >= 1 key
-    out = sdpa(q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
-               enable_gqa=num_heads != k.shape[1])
+    if variant.window:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - variant.window
+    if variant.is_plain:
+        out = sdpa(q_pad.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                   enable_gqa=num_heads != k.shape[1])
+    else:  # the GQA group's query heads as rows of their KV head, as in decode
+        num_kv_heads, group = k.shape[1], num_heads // k.shape[1]
+        qg = q_pad.view(num_seqs, max_query_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        sinks = None if variant.sinks is None else variant.sinks.view(num_kv_heads, group)[None, :, :, None, None]
+        out = _attend(qg.reshape(num_seqs, num_kv_heads, group * max_query_len, head_dim), k, v,
+                      mask[:, None].repeat(1, 1, group, 1), scale, variant.softcap,
+                      None if sinks is None else sinks.expand(-1, -1, -1, max_query_len, -1).reshape(
+                          1, num_kv_heads, group * max_query_len, 1))
+        out = out.view(num_seqs, num_kv_heads, group, max_query_len, head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(num_seqs, max_query_len, num_heads, head_dim)[seq_idx, local_idx]
     return out.transpose(1, 2)[seq_idx, local_idx]
 
 
 class Attention(nn.Module):
     """Writes this step's K/V into the layer's cache, then attends over the cache."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, variant: Variant = PLAIN):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.variant = variant
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
         self.backend = TORCH_BACKEND
 
@@ -132,19 +187,20 @@ class Attention(nn.Module):
         b.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         groups = meta.decode_groups if b is TORCH_BACKEND and meta.decode_groups else ((0, nd, None),)
+        extra = () if self.variant.is_plain else (self.variant,)
         if nd == q.shape[0] and len(groups) == 1:  # decodes only, one call: its output is the layer's
             return b.decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                      meta.decode_context_lens, self.scale)
+                                      meta.decode_context_lens, self.scale, *extra)
         out = torch.empty_like(q)
         for start, end, width in groups if nd else ():
             out[start:end] = b.decode_attention(q[start:end], self.k_cache, self.v_cache,
                                                 meta.decode_block_tables[start:end, :width],
-                                                meta.decode_context_lens[start:end], self.scale)
+                                                meta.decode_context_lens[start:end], self.scale, *extra)
         if nd == q.shape[0]:
             return out
         out[nd:] = b.prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables,
                                        meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
-                                       meta.max_query_len)
+                                       meta.max_query_len, *extra)
         return out
 
 

@@ -5,7 +5,7 @@ every sequence's blocks into a padded copy for SDPA, which on CPU costs more tha
 import torch
 
 from pagoda.engine.layers import cpu_ops as fused_ops  # norms, activation and rotary, for the model runner
-from pagoda.engine.layers.attention import sdpa
+from pagoda.engine.layers.attention import PLAIN, Variant, sdpa
 from pagoda.engine.layers.cpu_ops import is_available, ops
 
 
@@ -36,16 +36,19 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
     ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, variant: Variant = PLAIN):
     # q: [num_seqs, num_heads, head_dim], one token per sequence -> out: same shape
-    return ops().paged_attention(q, k_cache, v_cache, block_tables, None, context_lens, scale)
+    return ops().paged_attention(q, k_cache, v_cache, block_tables, None, context_lens, scale, False,
+                                 *variant.op_args)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len):
+def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
+                      variant: Variant = PLAIN):
     # q: [num_tokens, num_heads, head_dim] flat over sequences -> out: same shape
     least = sdpa_min_tokens(q.shape[2])
-    if least is None or max_query_len < least:
-        return ops().paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+    if least is None or max_query_len < least or not variant.is_plain:
+        return ops().paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, False,
+                                     *variant.op_args)
     starts, lens = query_start_loc.tolist(), context_lens.tolist()  # CPU tensors: no sync to pay
     fresh = [i for i, n in enumerate(lens) if starts[i + 1] - starts[i] == n >= least]
     if not fresh:

@@ -25,6 +25,8 @@ import logging
 
 import torch
 
+from pagoda.engine.layers.attention import PLAIN
+
 log = logging.getLogger("pagoda.engine")
 
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # rows per oneDNN call
@@ -240,14 +242,15 @@ class BatchInvariantAttention:
             backend.write_kv_cache
         self.op = backend.ops().paged_attention
 
-    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale):
+    def decode_attention(self, q, k_cache, v_cache, block_tables, context_lens, scale, variant=PLAIN):
         # q: [num_seqs, num_heads, head_dim] -> same shape
-        return self.op(q, k_cache, v_cache, block_tables, None, context_lens, scale, True)
+        return self.op(q, k_cache, v_cache, block_tables, None, context_lens, scale, True, *variant.op_args)
 
     def prefill_attention(self, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-                          max_query_len):
+                          max_query_len, variant=PLAIN):
         # q: [num_tokens, num_heads, head_dim] flat over sequences -> same shape
-        return self.op(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, True)
+        return self.op(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, True,
+                       *variant.op_args)
 
 
 def attention_backend(backend):

@@ -1,4 +1,6 @@
-"""Triton PagedAttention kernels: KV cache write, decode (flash decoding) and prefill.
+"""Triton PagedAttention kernels: KV cache write, decode (flash decoding) and prefill, each with the
+attention variants (engine/layers/attention.py Variant): a sliding window (the blocks before it are
+never read), soft-capped scores and sinks.
 
 KV cache, per layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
 Token `pos` of a sequence lives in slot block_table[pos // block_size] * block_size + pos % block_size.
@@ -15,6 +17,8 @@ import functools
 import math
 
 import torch
+
+from pagoda.engine.layers.attention import PLAIN, Variant
 
 try:
     import triton
@@ -90,14 +94,38 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, tok, tok_mask, kv_head, 
 
 
 @triton.jit
+def _softcapped(s, softcap):
+    # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1): Triton has no portable tanh
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+
+
+@triton.jit
+def _scores(s, scale, softcap, SOFTCAP: tl.constexpr):
+    # raw q.k -> base-2 logits: scaled, then soft-capped where the layer caps them
+    if SOFTCAP:
+        return _softcapped(s * scale, softcap) * 1.4426950408889634
+    return s * (scale * 1.4426950408889634)
+
+
+@triton.jit
+def _sink_start(sinks_ptr, head, mask, HAS_SINKS: tl.constexpr, ROWS: tl.constexpr):
+    # the running (max, sum) a softmax starts from: a sink is a key of weight exp(sink) and value zero
+    if HAS_SINKS:
+        m = tl.load(sinks_ptr + head, mask=mask, other=-1.0e30).to(tl.float32) * 1.4426950408889634
+        return m, tl.where(mask, 1.0, 0.0)
+    return tl.full([ROWS], -1.0e30, tl.float32), tl.zeros([ROWS], tl.float32)
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, partition_size, num_splits,
+    scale, softcap, window, partition_size, num_splits,
     stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # one program: one sequence, one kv head (its GROUP query heads), one slice of the context
     seq = tl.program_id(0)
@@ -107,6 +135,8 @@ def _decode_kernel(
     start = split * partition_size
     # the last split runs to the end, so a max_context_len hint that was too small costs speed only
     end = tl.where(split == num_splits - 1, ctx, tl.minimum(ctx, start + partition_size))
+    if HAS_WINDOW:  # keys before the window are never read
+        start = tl.maximum(start, ctx - window)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -117,9 +147,12 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
-    # running max starts at a finite "-inf": exp2(m - m_new) then never computes inf - inf
-    m = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
+    # running max starts at a finite "-inf": exp2(m - m_new) then never computes inf - inf; the first
+    # split starts from the sinks
+    m, l = _sink_start(sinks_ptr, head, g_mask, HAS_SINKS, BLOCK_G)
+    if HAS_SINKS:
+        m = tl.where(split == 0, m, -1.0e30)
+        l = tl.where(split == 0, l, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row_ptr = block_tables_ptr + seq * stride_bt
     for tile in range(start, end, TILE_N):
@@ -132,7 +165,7 @@ def _decode_kernel(
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
         else:
             s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
-        s = tl.where(tok_mask[None, :], s * scale_log2, float("-inf"))
+        s = tl.where(tok_mask[None, :], _scores(s, scale, softcap, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -184,12 +217,13 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, out_ptr,
-    scale_log2,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, sinks_ptr, out_ptr,
+    scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # one program: BLOCK_Q query tokens of one sequence x the GROUP query heads of one kv head,
     # packed as the BLOCK_M rows of the tile (row r: token r // GROUP, head r % GROUP)
@@ -215,12 +249,14 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tok_row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    m, l = _sink_start(sinks_ptr, head, row_mask, HAS_SINKS, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row_ptr = block_tables_ptr + seq * stride_bt
     kv_end = ctx - q_len + tl.minimum(first + BLOCK_Q, q_len)  # causal: nothing past the tile's last query
-    for tile in range(0, kv_end, TILE_N):
+    kv_start = 0
+    if HAS_WINDOW:  # nothing before the tile's first query's window
+        kv_start = tl.maximum(ctx - q_len + first - window + 1, 0)
+    for tile in range(kv_start, kv_end, TILE_N):
         tok = tile + tl.arange(0, TILE_N)
         tok_mask = tok < kv_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, tok, tok_mask, kv_head, d, d_mask,
@@ -228,7 +264,9 @@ def _prefill_kernel(
         # s: [BLOCK_M, TILE_N]
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
         visible = tok_mask[None, :] & (tok[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * scale_log2, float("-inf"))
+        if HAS_WINDOW:
+            visible = visible & (tok[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, _scores(s, scale, softcap, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -308,6 +346,17 @@ def _check_block_tables(block_tables, context_lens, num_seqs: int, device: torch
            f"context_lens must be contiguous with shape [{num_seqs}], got {tuple(context_lens.shape)}")
 
 
+def _check_variant(variant: Variant, q: torch.Tensor) -> torch.Tensor:
+    """The variant's sinks as the kernels read them (q itself, never read, where there are none)."""
+    _check(variant.window >= 0 and variant.softcap >= 0, "window and softcap must be >= 0")
+    if variant.sinks is None:
+        return q
+    _check_tensor("sinks", variant.sinks, 1, (torch.float32,), q.device)
+    _check(variant.sinks.shape[0] == q.shape[1] and variant.sinks.is_contiguous(),
+           f"sinks must be contiguous with one logit per query head ({q.shape[1]})")
+    return variant.sinks
+
+
 def _dot_args(dtype: torch.dtype) -> dict:
     return dict(
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",  # fp32: no TF32 truncation
@@ -321,6 +370,12 @@ def _interpreted() -> bool:
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, x - 1).bit_length()
+
+
+def _decode_warps(num_warps: int, dtype: torch.dtype, group: int, variant: Variant) -> int:
+    # a variant's bounds and sinks hold registers too: float32 with a wide GQA group spread over more warps
+    # (no register spills, checked for sm_90)
+    return num_warps * 2 if dtype == torch.float32 and group > 4 and not variant.is_plain else num_warps
 
 
 def _tile_n(tile_n: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -417,7 +472,7 @@ def decode_split_plan(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     max_context_len: int | None = None, out: torch.Tensor | None = None,
+                     variant: Variant = PLAIN, max_context_len: int | None = None, out: torch.Tensor | None = None,
                      *, num_splits: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (the last token of its context) over its cache.
 
@@ -427,6 +482,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     wrong value costs speed, not correctness.
     num_splits forces the number of KV splits (tests, tuning). Returns out: [num_seqs, num_heads, head_dim].
     """
+    sinks = _check_variant(variant, q)
     device = q.device
     _, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache, device)
     _check_tensor("q", q, 3, (k_cache.dtype,), device)
@@ -454,14 +510,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = _next_pow2(head_dim)
     cfg = DECODE_CONFIG
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * _LOG2E, partition, num_splits,
+        q, k_cache, v_cache, block_tables, context_lens, sinks, out, part_out, part_lse,
+        scale, variant.softcap, variant.window, partition, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, _next_pow2(group)) if use_dot else 1, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         TILE_N=_tile_n(cfg["tile_n"], head_dim, q.dtype),
-        SPLIT=split, USE_DOT=use_dot, **_dot_args(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPLIT=split, USE_DOT=use_dot, **_dot_args(q.dtype), HAS_WINDOW=variant.window > 0, SOFTCAP=variant.softcap > 0,
+        HAS_SINKS=variant.sinks is not None, num_warps=_decode_warps(cfg["num_warps"], q.dtype, group, variant),
+        num_stages=cfg["num_stages"],
     )
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -474,7 +531,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, max_query_len: int,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      variant: Variant = PLAIN, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last query_len_s tokens of each context over its cache.
 
     q: [num_tokens, num_heads, head_dim] flat over the batch; query_start_loc: [num_seqs + 1] int32
@@ -482,6 +539,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     [num_seqs, max_blocks] int32 (-1 padded); max_query_len: Python int >= every query_len_s.
     Query lengths may be 1 (decode tokens in a mixed batch). Returns out: [num_tokens, num_heads, head_dim].
     """
+    sinks = _check_variant(variant, q)
     device = q.device
     _, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache, device)
     _check_tensor("q", q, 3, (k_cache.dtype,), device)
@@ -504,13 +562,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        scale * _LOG2E,
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sinks, out,
+        scale, variant.softcap, variant.window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size,
         TILE_N=_tile_n(cfg["tile_n"], head_dim, q.dtype),
-        **_dot_args(q.dtype),
+        **_dot_args(q.dtype), HAS_WINDOW=variant.window > 0, SOFTCAP=variant.softcap > 0, HAS_SINKS=variant.sinks is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -43,8 +43,9 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const OptTen
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& tables, const OptTensor& start_loc, const at::Tensor& lens, double scale) {
   static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptTensor&, const at::Tensor&, double, bool)>("pagoda::paged_attention");
-  return h.call(q, k_cache, v_cache, tables, start_loc, lens, scale, false);
+                                const OptTensor&, const at::Tensor&, double, bool, int64_t, double, const OptTensor&)>(
+      "pagoda::paged_attention");
+  return h.call(q, k_cache, v_cache, tables, start_loc, lens, scale, false, 0, 0., c10::nullopt);
 }
 
 // weights: [input_norm, post_attention_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, gate_up_bias,

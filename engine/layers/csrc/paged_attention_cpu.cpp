@@ -1,6 +1,8 @@
 // PagedAttention on the CPU. Every query token attends over its sequence's cached keys up to its
-// own position, reading K and V in place from the blocks its block table names (no gather, no
-// padding). One work item is one KV head of a tile of query tokens: a decode token alone, or a few
+// own position (within a sliding window: only the last `window` of them), reading K and V in place
+// from the blocks its block table names (no gather, no padding; blocks before the window are never
+// read, so they may be freed). Scores may be soft-capped (Gemma 2) and each head's softmax may
+// normalize over one more, learned logit (gpt-oss's sinks). One work item is one KV head of a tile of query tokens: a decode token alone, or a few
 // consecutive tokens of a prefill chunk, with the GQA group's query heads; every key and value
 // loaded feeds all of the tile's rows. Decode tokens and prefill chunks go through the same loop,
 // and the items are split over the threads by their cost.
@@ -38,7 +40,13 @@ struct Shape {
   // every token in a tile of its own: a multi-token tile sums its scores in other chains than a single
   // token does, so a prompt token would differ by a rounding from the same token decoded (batch_invariant)
   bool single_token_tiles;
+  int64_t window;      // keys a token sees at most (its own included); 0: all before it
+  float softcap;       // scores -> softcap * tanh(scores / softcap); 0: none
+  const float* sinks;  // [heads]: a logit each head's softmax also normalizes over; nullptr: none
 };
+
+// The first key a token that sees n keys attends to.
+inline int64_t first_key(int64_t n, int64_t window) { return window > 0 && n > window ? n - window : 0; }
 
 // Asks for n elements from p into the cache ahead of their use: a block's chunk of keys or values
 // is too short for the hardware prefetcher to find the stream in time.
@@ -69,6 +77,7 @@ template <int64_t D_, int64_t BS_, int64_t GC, int64_t TM>
 struct Pass {
   static constexpr int64_t R = TM * GC;
   int64_t D, BS, n, stride;  // head and block size, keys the last row sees, scores' row stride
+  int64_t first;             // the first block any row sees: scores[r][0] is its first key's
   const int32_t* table;      // the sequence's blocks
   int64_t block_stride, head_offset;
 
@@ -77,11 +86,11 @@ struct Pass {
   void scores(float* __restrict scores, const float* __restrict q, const T* k_cache, const T* v_cache) const {
     const int64_t num_blocks = (n + BS - 1) / BS;
     const int64_t chunk = D * BS;  // one block's keys (or values) of this head
-    for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int64_t b = first; b < num_blocks; ++b) {
       const T* __restrict kt = k_cache + table[b] * block_stride + head_offset;
       if (b + 2 < num_blocks) prefetch(k_cache + table[b + 2] * block_stride + head_offset, chunk);
       prefetch(v_cache + table[b] * block_stride + head_offset, chunk);
-      float* out = scores + b * BS;
+      float* out = scores + (b - first) * BS;
       if constexpr (D_ > 0 && BS_ > 0 && D_ % std::max<int64_t>(1, 8 / R) == 0) {
         constexpr int64_t U = std::max<int64_t>(1, 8 / R);  // at least 8 independent multiply-add chains
         float acc[R][U][BS_] = {};
@@ -114,9 +123,9 @@ struct Pass {
     if constexpr (D_ > 0 && BS_ > 0) {
       constexpr int64_t U = std::max<int64_t>(1, (D_ <= 64 ? 4 : 2) / R);
       float acc[R][U][D_] = {};  // kept across blocks
-      for (int64_t b = 0; b * BS_ < n; ++b) {
+      for (int64_t b = first; b * BS_ < n; ++b) {
         const T* __restrict v = v_cache + table[b] * block_stride + head_offset;
-        const float* pb = p + b * BS_;
+        const float* pb = p + (b - first) * BS_;
         const int64_t m = std::min<int64_t>(BS_, n - b * BS_);
         int64_t j = 0;
         for (; j + U <= m; j += U)
@@ -136,11 +145,11 @@ struct Pass {
       sum_chains(out, D_, acc);
     } else {
       std::fill(out, out + R * D, 0.f);
-      for (int64_t b = 0; b * BS < n; ++b) {
+      for (int64_t b = first; b * BS < n; ++b) {
         const T* v = v_cache + table[b] * block_stride + head_offset;
         for (int64_t j = 0; j < std::min(BS, n - b * BS); ++j)
           for (int64_t r = 0; r < R; ++r) {
-            const float pj = p[r * stride + b * BS + j];
+            const float pj = p[r * stride + (b - first) * BS + j];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) out[r * D + d] += pj * static_cast<float>(v[j * D + d]);
           }
@@ -157,28 +166,33 @@ inline float reduce16(float* x) {
   return x[0];
 }
 
-// row[0, n) -> exp(row - max(row)) in place, row[n, padded) -> 0; returns 1 / the sum. padded: n
-// rounded up to a multiple of 16 that the row has room for, so that both loops run whole vectors.
-inline float softmax_unnormalized(float* row, int64_t n, int64_t padded) {
+// row[start, n) -> exp(row - max) in place (soft-capped first where softcap > 0), the rest of
+// row[0, padded) -> 0; returns 1 / the sum, a sink's exp(sink - max) included where sink is finite
+// (max then covers it too). padded: n rounded up to a multiple of 16 that the row has room for, so
+// that both loops run whole vectors.
+inline float softmax_unnormalized(float* row, int64_t start, int64_t n, int64_t padded, float softcap, float sink) {
+  if (softcap > 0.f)
+    for (int64_t j = start; j < n; ++j) row[j] = softcap * std::tanh(row[j] / softcap);
   float lanes[16];
   std::fill(lanes, lanes + 16, -INFINITY);
   for (int64_t j = 0; j < padded; j += 16)
 #pragma omp simd
     for (int64_t l = 0; l < 16; ++l) {
-      const float v = j + l < n ? row[j + l] : -INFINITY;
+      const float v = j + l < n && j + l >= start ? row[j + l] : -INFINITY;
       lanes[l] = v > lanes[l] ? v : lanes[l];
     }
-  const float mx = reduce16<true>(lanes);
+  const float mx = std::max(reduce16<true>(lanes), sink);
   std::fill(lanes, lanes + 16, 0.f);
   for (int64_t j = 0; j < padded; j += 16)
 #pragma omp simd
     for (int64_t l = 0; l < 16; ++l) {
       const float d = row[j + l] - mx;  // weights below e^kEmin are 0: no subnormal products with V
-      const float e = j + l < n && d >= pagoda::kEmin ? pagoda::exp_approx(d) : 0.f;
+      const float e = j + l < n && j + l >= start && d >= pagoda::kEmin ? pagoda::exp_approx(d) : 0.f;
       row[j + l] = e;
       lanes[l] += e;
     }
-  return 1.f / reduce16<false>(lanes);
+  const float sum = reduce16<false>(lanes);
+  return 1.f / (std::isfinite(sink) ? sum + std::exp(sink - mx) : sum);
 }
 
 // Work: `count` consecutive query tokens from flat index `token`, all of one sequence; one item per
@@ -189,15 +203,17 @@ struct Tile {
 
 // tokens -> tiles of tm consecutive tokens of one sequence where they run that long, single tokens
 // otherwise (decode rows, a chunk's remainder)
-std::vector<Tile> tile_tokens(const std::vector<int64_t>& seq_of, const std::vector<int64_t>& pos_of, int64_t tm) {
+std::vector<Tile> tile_tokens(const std::vector<int64_t>& seq_of, const std::vector<int64_t>& pos_of, int64_t tm,
+                              int64_t window) {
+  const auto seen = [window](int64_t pos) { return window > 0 ? std::min(pos + 1, window) : pos + 1; };
   std::vector<Tile> tiles;
   const int64_t num_tokens = static_cast<int64_t>(seq_of.size());
   for (int64_t t = 0; t < num_tokens;) {
     int64_t run = 1;
     while (t + run < num_tokens && seq_of[t + run] == seq_of[t] && pos_of[t + run] == pos_of[t] + run) ++run;
     const int64_t full = tm > 1 ? run / tm * tm : 0;
-    for (int64_t i = 0; i < full; i += tm) tiles.push_back({t + i, tm, tm * (pos_of[t + i + tm - 1] + 1) + 16});
-    for (int64_t i = full; i < run; ++i) tiles.push_back({t + i, 1, pos_of[t + i] + 1 + 16});
+    for (int64_t i = 0; i < full; i += tm) tiles.push_back({t + i, tm, tm * seen(pos_of[t + i + tm - 1]) + 16});
+    for (int64_t i = full; i < run; ++i) tiles.push_back({t + i, 1, seen(pos_of[t + i]) + 16});
     t += run;
   }
   return tiles;
@@ -211,8 +227,10 @@ void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache, const i
   const int64_t head_stride = D * BS, block_stride = s.kv_heads * head_stride;
   constexpr int64_t R = TM * GC;
   const int64_t num_blocks = (n + BS - 1) / BS;
+  const int64_t first_block = first_key(n - (TM - 1), s.window) / BS;  // the tile's first token sees the earliest keys
   // score rows padded to whole 16-lane vectors for the softmax
-  const Pass<D_, BS_, GC, TM> pass{D, BS, n, (num_blocks * BS + 15) / 16 * 16, table, block_stride, h * head_stride};
+  const Pass<D_, BS_, GC, TM> pass{D, BS, n, ((num_blocks - first_block) * BS + 15) / 16 * 16, first_block, table,
+                                   block_stride, h * head_stride};
   scores.resize(R * pass.stride);  // the tail of the last block past n is computed and ignored
   for (int64_t g0 = 0; g0 < G; g0 += GC) {
     const int64_t first = h * G + g0;  // the first query head of this pass
@@ -224,9 +242,12 @@ void attend_tile(T* out, const T* q, const T* k_cache, const T* v_cache, const i
     float inv[R];
     for (int64_t i = 0; i < TM; ++i) {
       const int64_t seen = n - (TM - 1 - i);  // token i sees the keys up to its own position
+      const int64_t offset = first_block * BS;  // the key of each row's column 0
       for (int64_t g = 0; g < GC; ++g) {
         float* row = &scores[(i * GC + g) * pass.stride];
-        inv[i * GC + g] = softmax_unnormalized(row, seen, pass.stride);
+        const float sink = s.sinks ? s.sinks[first + g] : -INFINITY;
+        inv[i * GC + g] = softmax_unnormalized(row, first_key(seen, s.window) - offset, seen - offset, pass.stride,
+                                               s.softcap, sink);
       }
     }
     pass.weighted_sum(acc.data(), scores.data(), v_cache);
@@ -245,7 +266,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
   // query tokens per tile: R = TM * GC rows of accumulators, D floats each, stay in registers
   constexpr int64_t TM = D_ > 0 && BS_ > 0 ? std::max<int64_t>(1, 256 / (GC * D_)) : 1;
   const int64_t D = D_ ? D_ : s.head_dim;
-  const std::vector<Tile> tiles = tile_tokens(seq_of, pos_of, s.single_token_tiles ? 1 : TM);
+  const std::vector<Tile> tiles = tile_tokens(seq_of, pos_of, s.single_token_tiles ? 1 : TM, s.window);
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * s.kv_heads;
   // contiguous runs of items of about equal cost, one per thread
   int64_t total = 0, so_far = 0;
@@ -271,7 +292,7 @@ void attend(T* out, const T* q, const T* k_cache, const T* v_cache, const int32_
         continue;
       }
       const int32_t* table = tables + seq_of[t] * s.blocks_per_seq;
-      for (int64_t b = 0; b < (n + s.block_size - 1) / s.block_size; ++b)
+      for (int64_t b = first_key(n - (tile.count - 1), s.window) / s.block_size; b < (n + s.block_size - 1) / s.block_size; ++b)
         TORCH_CHECK(table[b] >= 0 && table[b] < s.num_blocks, "block table entry ", table[b],
                     " is outside the cache (", s.num_blocks, " blocks)");
       if (tile.count == TM)
@@ -322,10 +343,12 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 // query_start_loc: [num_seqs + 1] int32, or None for one token per sequence; context_lens:
 // [num_seqs] int32, each sequence's length including its new tokens, which are its last ones
 // (0: a padding row, whose output is zeros). batch_invariant: each token's output bitwise the same
-// whatever else the call holds (decode or prefill, any batch). Returns out: [num_tokens, num_heads, head_dim].
+// whatever else the call holds (decode or prefill, any batch). window, softcap, sinks: see Shape (a
+// block table's entries before a token's window are never read). Returns out: [num_tokens, num_heads, head_dim].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
-                           const at::Tensor& context_lens, double scale, bool batch_invariant) {
+                           const at::Tensor& context_lens, double scale, bool batch_invariant, int64_t window,
+                           double softcap, const c10::optional<at::Tensor>& sinks) {
   check_caches(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == k_cache.scalar_type(), "q must be 3-d, in the caches' dtype");
   TORCH_CHECK(q.stride(2) == 1, "q's last dimension must be contiguous");
@@ -337,8 +360,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t num_tokens = q.size(0), num_seqs = context_lens.size(0);
   TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables has ", block_tables.size(0), " rows for ",
               num_seqs, " sequences");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                     sinks->numel() == q.size(1)),
+              "sinks must be float32 with one logit per query head");
   Shape s{q.size(1), q.size(2), k_cache.size(3), k_cache.size(1), q.size(1) / k_cache.size(1),
-          block_tables.size(1), k_cache.size(0), q.stride(0), q.stride(1), batch_invariant};
+          block_tables.size(1), k_cache.size(0), q.stride(0), q.stride(1), batch_invariant, window,
+          static_cast<float>(softcap), sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
 
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < num_seqs; ++i)
@@ -424,7 +452,8 @@ void set_attention_min_work(int64_t work) { min_parallel_work.store(std::max<int
 TORCH_LIBRARY(pagoda, m) {
   m.def("set_attention_min_work(int work) -> ()", &set_attention_min_work);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor? query_start_loc, Tensor context_lens, float scale, bool batch_invariant=False) -> Tensor");
+        "Tensor? query_start_loc, Tensor context_lens, float scale, bool batch_invariant=False, int window=0, "
+        "float softcap=0., Tensor? sinks=None) -> Tensor");
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }
 

@@ -583,3 +583,80 @@ def test_decoder_layers_above_their_rows_run_op_by_op(checkpoint, monkeypatch):
     assert rows and max(rows) <= op.rows  # the 42-token prefill step went op by op
     off = LLM(checkpoint("qwen2"), dtype="float32", num_kv_blocks=32, cpu_fused_layers=False)
     assert [o.token_ids for o in off.generate(prompts, params)] == got
+
+
+# ---- attention variants: sliding window, soft-capped scores, sinks ----
+
+def _dense(q, k, v, tables, lens, qlens, scale, window=0, softcap=0.0, sinks=None):
+    """Each query token's attention written out one token at a time in float64: the definition the
+    torch reference and the op are held to. q: [num_tokens, H, D] flat over sequences (each sequence's
+    qlens[i] new tokens are its last)."""
+    block_size, num_kv_heads = k.shape[1], k.shape[2]
+    out, t = [], 0
+    for i, (n, m) in enumerate(zip(lens.tolist(), qlens)):
+        blocks = tables[i, :-(-n // block_size)].long()
+        ks = k[blocks].reshape(-1, num_kv_heads, k.shape[3])[:n].double()  # [n, kvh, D]
+        vs = v[blocks].reshape(-1, num_kv_heads, v.shape[3])[:n].double()
+        for j in range(m):
+            pos, row = n - m + j, q[t].double()  # [H, D]
+            group = row.shape[0] // num_kv_heads
+            kk, vv = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)  # [n, H, D]
+            s = torch.einsum("hd,nhd->hn", row, kk) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            keys = torch.arange(n)
+            s = s.masked_fill(~((keys <= pos) & (keys > pos - window if window else True)), float("-inf"))
+            if sinks is not None:
+                s = torch.cat((s, sinks.double()[:, None]), 1)
+            p = torch.softmax(s, -1)[:, :n]
+            out.append(torch.einsum("hn,nhd->hd", p, vv))
+            t += 1
+    return torch.stack(out)
+
+
+VARIANTS = {"window": dict(window=21), "window-of-a-block": dict(window=16), "softcap": dict(softcap=3.0),
+            "sinks": dict(sinks=True), "all": dict(window=9, softcap=3.0, sinks=True)}
+
+
+def _variant(num_heads, window=0, softcap=0.0, sinks=False):
+    g = torch.Generator().manual_seed(3)
+    return ref.Variant(window, softcap, torch.randn(num_heads, generator=g) * 2 if sinks else None)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype,head_dim,num_heads,num_kv_heads,block_size", [CASES[0], CASES[4], CASES[6]])
+def test_attention_variants_match_their_definition(variant, dtype, head_dim, num_heads, num_kv_heads, block_size):
+    """Decode rows and prefill chunks (fresh, after a cached prefix, longer than the window) through the op
+    and the torch reference, against each token's attention written out."""
+    var = _variant(num_heads, **VARIANTS[variant])
+    shapes = [(1, 1), (1, 9), (1, 70), (20, 20), (5, 37), (40, 40), (block_size, 3 * block_size)]
+    num_blocks = 64
+    (k, v), (k_ops, v_ops) = _cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=2)
+    lens = torch.tensor([c for _, c in shapes], dtype=torch.int32)
+    tables = _tables(lens.tolist(), block_size, num_blocks, seed=2)
+    qlens = [n for n, _ in shapes]
+    start_loc = torch.tensor([0] + qlens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(qlens), num_heads, head_dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    want = _dense(q, k, v, tables, lens, qlens, 0.3, var.window, var.softcap, var.sinks).float()
+    tol = dict(atol=max(TOL[dtype], 1e-4), rtol=max(TOL[dtype], 1e-4))
+    for backend, (kc, vc) in ((cpu_attention, (k_ops, v_ops)), (ref, (k, v))):
+        got = backend.prefill_attention(q, kc, vc, tables, start_loc, lens, 0.3, max(qlens), var)
+        torch.testing.assert_close(got.float(), want, **tol)
+        decode = backend.decode_attention(q[:3], kc, vc, tables[:3], lens[:3], 0.3, var)
+        torch.testing.assert_close(decode.float(), want[:3], **tol)
+
+
+def test_a_window_never_reads_the_blocks_before_it():
+    """The blocks a sliding window has left may be freed: their table entries (-1 here) are not read."""
+    head_dim, block_size, window = 32, 16, 20
+    (k, v), (k_ops, v_ops) = _cache(16, block_size, 2, head_dim, torch.float32)
+    lens = torch.tensor([70, 50], dtype=torch.int32)  # windows start at key 50 (block 3) and 30 (block 1)
+    tables = _tables(lens.tolist(), block_size, 16)
+    q = torch.randn(2, 4, head_dim)
+    var = ref.Variant(window=window)
+    want = cpu_attention.decode_attention(q, k_ops, v_ops, tables, lens, 0.2, var)
+    tables[0, :3], tables[1, :1] = -1, -1
+    got = cpu_attention.decode_attention(q, k_ops, v_ops, tables, lens, 0.2, var)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_attention.decode_attention(q, k_ops, v_ops, tables, lens, 0.2, ref.Variant(window=window + 16))

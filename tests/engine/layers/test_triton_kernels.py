@@ -79,7 +79,7 @@ def test_gpu_cuda_graph(num_splits):
 
     def step():
         ta.write_kv_cache(k_new, v_new, k_cache, v_cache, slot_mapping)
-        ta.decode_attention(q, k_cache, v_cache, bt, ctx, 0.1, max_len, out=out, num_splits=num_splits)
+        ta.decode_attention(q, k_cache, v_cache, bt, ctx, 0.1, max_context_len=max_len, out=out, num_splits=num_splits)
 
     step()  # compiles the kernels
     torch.cuda.synchronize()
@@ -167,7 +167,7 @@ def run_decode(case, context_lens, num_splits, seed=0):
     q = make_q(len(context_lens), num_kv_heads * group, num_kv_heads, head_dim, dtype, gen)
     scale = head_dim ** -0.5
     out = torch.full_like(q, NAN, memory_format=torch.contiguous_format)
-    ret = ta.decode_attention(q, k_cache, v_cache, bt, ctx, scale, max(context_lens), out=out,
+    ret = ta.decode_attention(q, k_cache, v_cache, bt, ctx, scale, max_context_len=max(context_lens), out=out,
                               num_splits=num_splits)
     assert ret is out
     ref = reference(q, k_cache, v_cache, bt, [1] * len(context_lens), context_lens, scale)
@@ -477,3 +477,43 @@ def test_gpu_large(dtype, num_heads, num_kv_heads, head_dim):
     out = ta.prefill_attention(qp, k_cache, v_cache, bt, qsl, ctx, scale, max(qlens))
     ref = reference(qp, k_cache, v_cache, bt, qlens, lens, scale)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+# --------------------------------------------------------------------------------------------------
+# attention variants: sliding window, soft-capped scores, sinks (the torch reference is held to their
+# definition in tests/engine/layers/test_cpu_ops.py)
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_variants_match_the_torch_reference(variant, num_splits):
+    g = torch.Generator().manual_seed(5)
+    num_kv_heads, group, head_dim, block_size = 2, 2, 64, 16
+    window = 19 if variant in ("window", "all") else 0
+    softcap = 2.5 if variant in ("softcap", "all") else 0.0
+    sinks = torch.randn(num_kv_heads * group, generator=g) * 2 if variant in ("sinks", "all") else None
+    var = torch_attn.Variant(window, softcap, None if sinks is None else sinks.to(DEVICE))
+    k_cache = torch.randn(48, block_size, num_kv_heads, head_dim, generator=g).to(DEVICE)
+    v_cache = torch.randn(48, block_size, num_kv_heads, head_dim, generator=g).to(DEVICE)
+    shapes = [(1, 1), (1, 70), (1, 33), (20, 20), (6, 45), (40, 40)]  # (new tokens, context)
+    lens = torch.tensor([c for _, c in shapes], dtype=torch.int32, device=DEVICE)
+    bt = torch.full((len(shapes), 5), -1, dtype=torch.int32)
+    perm, at = torch.randperm(48, generator=g), 0
+    for i, (_, c) in enumerate(shapes):
+        n = -(-c // block_size)
+        bt[i, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    bt = bt.to(DEVICE)
+    qlens = [n for n, _ in shapes]
+    qsl = torch.tensor([0] + qlens, dtype=torch.int64).cumsum(0).to(torch.int32).to(DEVICE)
+    q = torch.randn(sum(qlens), num_kv_heads * group, head_dim, generator=g).to(DEVICE)
+    want = torch_attn.prefill_attention(q, k_cache, v_cache, bt, qsl, lens, 0.3, max(qlens), var)
+    got = ta.prefill_attention(q, k_cache, v_cache, bt, qsl, lens, 0.3, max(qlens), var)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    want_d = torch_attn.decode_attention(q[:3], k_cache, v_cache, bt[:3], lens[:3], 0.3, var)
+    got_d = ta.decode_attention(q[:3], k_cache, v_cache, bt[:3], lens[:3], 0.3, var, num_splits=num_splits)
+    torch.testing.assert_close(got_d, want_d, atol=1e-4, rtol=1e-4)
+    if window:  # the blocks before every window are never read: -1 there changes nothing
+        bt[1, :2] = -1
+        again = ta.decode_attention(q[:3], k_cache, v_cache, bt[:3], lens[:3], 0.3, var, num_splits=num_splits)
+        torch.testing.assert_close(again, got_d, atol=0, rtol=0)
