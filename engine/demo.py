@@ -67,6 +67,7 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printab
             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
             "granite": (tf.GraniteConfig, tf.GraniteForCausalLM), "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
             "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
+            "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         }[arch]
         config = config_cls(**{**common, **small, **overrides})
     torch.manual_seed(seed)

@@ -19,7 +19,8 @@ FAMILIES = {
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
     "llama-untied": dict(arch="llama", initializer_range=0.3, tie_word_embeddings=False, attention_bias=True),
-    "mistral": dict(arch="mistral", initializer_range=0.3, sliding_window=4096),
+    # Mistral v0.1's sliding window, small enough that prompts and continuations cross it
+    "mistral": dict(arch="mistral", initializer_range=0.3, sliding_window=16),
     "qwen2": dict(arch="qwen2", initializer_range=0.3),
     "qwen3": dict(arch="qwen3", initializer_range=0.3, head_dim=48),
     "gpt2": dict(arch="gpt2", initializer_range=0.3),
@@ -30,6 +31,14 @@ FAMILIES = {
     "olmo2": dict(arch="olmo2", initializer_range=0.3),
     "smollm3": dict(arch="smollm3", initializer_range=0.3, no_rope_layer_interval=2),
     "phi3": dict(arch="phi3", initializer_range=0.3, partial_rotary_factor=0.5),
+    # Gemma: windows of 16 beside full layers, soft-capped scores and logits (2), a RoPE base per layer type
+    # with linear scaling on the full layers (3); untied, as a random tied head makes one token win every step
+    "gemma2": dict(arch="gemma2", initializer_range=0.3, tie_word_embeddings=False, sliding_window=16, head_dim=16,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+    "gemma3": dict(arch="gemma3", initializer_range=0.3, tie_word_embeddings=False, sliding_window=16, head_dim=16,
+                   query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
 }
 
 

@@ -5,9 +5,13 @@ import torch
 from torch import nn
 
 
-def rope_parameters(hf_config) -> dict:
-    """The checkpoint's RoPE settings, from transformers 5's rope_parameters or 4.x's fields."""
+def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
+    """The checkpoint's RoPE settings, from transformers 5's rope_parameters (per layer type where the config
+    gives one set a type: Gemma 3's local and global) or 4.x's fields."""
     params = getattr(hf_config, "rope_parameters", None)
+    layer_type = _per_type(hf_config, layer_type)
+    if layer_type is not None:
+        return dict(params[layer_type])
     if params:
         return dict(params)
     scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -16,9 +20,16 @@ def rope_parameters(hf_config) -> dict:
     return scaling
 
 
-def rotary_dim(hf_config, head_dim: int) -> int:
+def _per_type(hf_config, layer_type: str | None) -> str | None:
+    """The layer type whose RoPE settings apply where the config gives one set a type (full layers' by
+    default); None where it gives one for all."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return (layer_type or "full_attention") if isinstance(params.get(layer_type or "full_attention"), dict) else None
+
+
+def rotary_dim(hf_config, head_dim: int, layer_type: str | None = None) -> int:
     """The dimensions of each head that rotate (the first ones): all, or partial_rotary_factor of them (Phi-4-mini)."""
-    factor = rope_parameters(hf_config).get("partial_rotary_factor")
+    factor = rope_parameters(hf_config, layer_type).get("partial_rotary_factor")
     if factor is None:
         factor = getattr(hf_config, "partial_rotary_factor", None) or 1.0
     if not 0 < factor <= 1:
@@ -26,19 +37,21 @@ def rotary_dim(hf_config, head_dim: int) -> int:
     return int(head_dim * factor)
 
 
-def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(hf_config)
+def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        dim = rotary_dim(hf_config, head_dim)
+        dim = rotary_dim(hf_config, head_dim, layer_type)
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
-    if rope_type == "dynamic":
-        raise ValueError("rope_scaling type 'dynamic' is not supported (its frequencies change with length)")
+    # dynamic NTK's frequencies change only past max_position_embeddings, which the context never is
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not a RoPE type this server runs (one of "
+                         f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    layer_type = _per_type(hf_config, layer_type)
+    kw = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
     return inv_freq.float(), float(scaling)
 
 
@@ -56,10 +69,10 @@ class RotaryEmbedding(nn.Module):
     cos/sin tabled for every position."""
     fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 and bfloat16 models on CPU)
 
-    def __init__(self, hf_config, head_dim: int, max_position: int):
+    def __init__(self, hf_config, head_dim: int, max_position: int, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(hf_config, head_dim)
-        self.rotary_dim, self.head_dim = rotary_dim(hf_config, head_dim), head_dim
+        inv_freq, scaling = inverse_frequencies(hf_config, head_dim, layer_type)
+        self.rotary_dim, self.head_dim = rotary_dim(hf_config, head_dim, layer_type), head_dim
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)

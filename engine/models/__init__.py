@@ -1,4 +1,5 @@
 """Architectures pagoda runs, keyed by the `architectures` entry of a checkpoint's config.json."""
+from pagoda.engine.models.gemma import GemmaForCausalLM
 from pagoda.engine.models.gpt2 import GPT2LMHeadModel
 from pagoda.engine.models.granite import granite
 from pagoda.engine.models.llama import LlamaForCausalLM, qwen2, qwen3
@@ -12,6 +13,8 @@ MODELS = {
     "Qwen3ForCausalLM": qwen3,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "GraniteForCausalLM": granite,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up stored fused: LlamaAttention/LlamaMLP load either
     "SmolLM3ForCausalLM": smollm3,

@@ -8,7 +8,7 @@ from torch import nn
 
 from pagoda.engine.executor import parallel
 from pagoda.engine.layers.activation import activation
-from pagoda.engine.layers.attention import Attention, AttentionMetadata
+from pagoda.engine.layers.attention import Attention, AttentionMetadata, Variant
 from pagoda.engine.layers.rotary import RotaryEmbedding, apply_rotary, rotary_dim
 
 
@@ -46,10 +46,34 @@ class Parts:
     embedding_multiplier: float = 1.0  # Granite
     logits_divisor: float = 1.0  # Granite's logits_scaling
     rope_layers: tuple | None = None  # per layer, whether it rotates q and k (SmolLM3's NoPE layers); None: all
+    attention_softcap: float = 0.0  # Gemma 2's attn_logit_softcapping
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(cfg) -> list[int]:
+    """Each layer's sliding window (0: full attention), as transformers reads the config: `layer_types`, or
+    one `sliding_window` for every layer (Mistral), unless use_sliding_window is off (Qwen2)."""
+    n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None) or 0
+    if window >= (getattr(cfg, "max_position_embeddings", None) or window + 1):
+        window = 0  # wider than any context: full attention
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        return [window if getattr(cfg, "use_sliding_window", True) else 0] * n
+    for i, t in enumerate(types):
+        if t not in LAYER_TYPES:
+            raise ValueError(f"layer_types[{i}] {t!r} is not a layer type this server runs (one of "
+                             f"{', '.join(LAYER_TYPES)})")
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers (num_hidden_layers)")
+    if "sliding_attention" in types and not window:
+        raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+    return [window if t == "sliding_attention" else 0 for t in types]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, parts: Parts, use_rope: bool = True):
+    def __init__(self, cfg, parts: Parts, index: int):
         super().__init__()
         # this rank's share of the heads (all of them without tensor parallelism)
         heads = cfg.num_attention_heads
@@ -66,6 +90,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj.tp_parts[None] = [q_rows, (heads * hd + kv_rows[0], kv_rows[1]),
                                         (heads * hd + kv_all + kv_rows[0], kv_rows[1])]
         self.o_proj = parallel.RowParallelLinear(heads * hd, cfg.hidden_size, bias=parts.o_bias)
+        use_rope = parts.rope_layers is None or bool(parts.rope_layers[index])
         self.qk_norm, self.use_rope, self.rotary_dim = parts.qk_norm, use_rope, rotary_dim(cfg, hd)
         if parts.qk_norm == "full" and parallel.group().size > 1:
             raise ValueError("q/k norms over the whole projection (OLMo 2) do not split across tensor-parallel "
@@ -74,7 +99,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if parts.qk_norm else None
         self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if parts.qk_norm else None
         scale = parts.attention_scale if parts.attention_scale is not None else hd ** -0.5
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale)
+        variant = Variant(window=layer_windows(cfg)[index], softcap=parts.attention_softcap)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, variant)
 
     def forward(self, rope, x, meta: AttentionMetadata):
         # x: [num_tokens, hidden]; rope: (cos, sin) of each token's position
@@ -104,8 +130,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.shard_offsets = (0, n)
         self.gate_up_proj.tp_parts[None] = [rows, (cfg.intermediate_size + rows[0], n)]  # stored as one (Phi-3)
         self.down_proj = parallel.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-        self.act = activation(cfg.hidden_act)
-        self.is_silu = cfg.hidden_act == "silu"
+        act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act  # Gemma's name
+        self.act = activation(act)
+        self.is_silu = act == "silu"
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
@@ -118,9 +145,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     fused = None  # FusedDecoderLayer, bound by the model runner where the layer qualifies (fuse_decoder_layer)
 
-    def __init__(self, cfg, parts: Parts, use_rope: bool = True):
+    def __init__(self, cfg, parts: Parts, index: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, parts, use_rope)
+        self.self_attn = LlamaAttention(cfg, parts, index)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -177,7 +204,8 @@ def fuse_decoder_layer(layer: LlamaDecoderLayer, ops, backend) -> FusedDecoderLa
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (a.q_norm, a.k_norm) if n]
     if None in linears or a.o_proj.tp.size > 1 or mlp.down_proj.tp.size > 1:
         return None
-    if not (a.use_rope and a.qk_norm != "full" and layer.residual_multiplier == 1 and a.rotary_dim == a.head_dim):
+    if not (a.use_rope and a.qk_norm != "full" and layer.residual_multiplier == 1 and a.rotary_dim == a.head_dim
+            and a.attn.variant.is_plain):
         return None  # parts the op does not have
     if not (mlp.is_silu and mlp.fused_ops is not None and all(n.fused_ops is not None for n in norms)
             and len({n.eps for n in norms}) == 1 and a.attn.backend is backend):
@@ -198,8 +226,7 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(cfg, "attention_bias", False)
         self.parts = parts = parts or Parts(qkv_bias=bias, o_bias=bias)
         self.embed_tokens = parallel.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rope_layers = parts.rope_layers or (True,) * cfg.num_hidden_layers
-        self.layers = nn.ModuleList(self.layer_class(cfg, parts, bool(r)) for r in rope_layers)
+        self.layers = nn.ModuleList(self.layer_class(cfg, parts, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings)

@@ -5,9 +5,9 @@ from torch import nn
 
 
 class Olmo2DecoderLayer(nn.Module):
-    def __init__(self, cfg, parts: Parts, use_rope: bool = True):
+    def __init__(self, cfg, parts: Parts, index: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, parts, use_rope)
+        self.self_attn = LlamaAttention(cfg, parts, index)
         self.mlp = LlamaMLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -53,14 +53,17 @@ def _uses_cpu_ops(llm) -> bool:
     # the fused layers come with it (float32; gpt2 has none)
     assert not fused or (all(fused) == attention and any(fused) == attention)
     # and a Llama-family layer of a few rows runs as one op (float32, weights in panels) where the op has its
-    # parts (not Granite's multipliers, SmolLM3's layers without RoPE or Phi's partial rotation)
+    # parts (not Granite's multipliers, SmolLM3's layers without RoPE, Phi's partial rotation or a window)
     layers = [m for m in modules if type(m).__name__ == "LlamaDecoderLayer"]
-    plain = [m.fused is not None for m in layers if m.residual_multiplier == 1 and m.self_attn.use_rope
-             and m.self_attn.rotary_dim == m.self_attn.head_dim]
+    plain = [m.fused is not None for m in layers if _fusable(m)]
     assert not plain or (all(plain) == attention and any(plain) == attention)
-    assert all(m.fused is None for m in layers if m.residual_multiplier != 1 or not m.self_attn.use_rope
-               or m.self_attn.rotary_dim != m.self_attn.head_dim)
+    assert all(m.fused is None for m in layers if not _fusable(m))
     return attention
+
+
+def _fusable(layer) -> bool:
+    a = layer.self_attn
+    return (layer.residual_multiplier == 1 and a.use_rope and a.rotary_dim == a.head_dim and a.attn.variant.is_plain)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
