@@ -1,6 +1,6 @@
 """The `pagoda` command line.
 
-    pagoda serve [--model DIR|HUB_ID] [--port 50051] ...     run the gRPC server (server/main.py)
+    pagoda serve [MODEL] [--port 50051] [--http-port 8000]  run the server: gRPC and HTTP, OpenAI API (server/main.py)
     pagoda generate "Hello" [--stream] [sampling flags]      one completion from a server
     pagoda chat                                             an interactive, streamed conversation
     pagoda tokenize "Hello"  |  pagoda info  |  pagoda stats
@@ -617,7 +617,10 @@ def _health(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
-    parser = argparse.ArgumentParser(prog="pagoda", description="LLM text generation over gRPC")
+    parser = argparse.ArgumentParser(prog="pagoda", description=(
+        "LLM text generation. `pagoda serve [MODEL]` serves a model over gRPC (pagoda.v1, port 50051) and HTTP "
+        "(OpenAI API, port 8000); the other commands are its gRPC clients, or (offline) run a model in this "
+        "process."))
     parser.add_argument("--version", action="version", version=f"pagoda {version('pagoda')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -627,9 +630,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func, parser=p)  # the parser: errors found later show its usage
         return p
 
-    p = command("serve", _serve, help="run the gRPC server",
-                description="Run the pagoda.v1 gRPC server (with grpc.health.v1 and server reflection). "
-                            "Every flag can also be set as the PAGODA_* environment variable shown.")
+    p = command("serve", _serve, " [MODEL]",
+                help="serve a model: gRPC on --port (50051), HTTP (OpenAI API) on --http-port (8000)",
+                description="Serve a model (default: the built-in demo model) through two doors over one engine: "
+                            "gRPC (pagoda.v1, with grpc.health.v1 and server reflection) on --port, default 50051, "
+                            "and HTTP (OpenAI API: /v1/chat/completions, /v1/completions, ...) on --http-port, "
+                            "default 8000. Every flag can also be set as the PAGODA_* environment variable shown.")
     _add_serve_args(p)
 
     p = command("generate", _generate, " (PROMPT | - | --file PATH)", help="generate a completion from a server")

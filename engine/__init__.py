@@ -4,7 +4,7 @@ import importlib
 
 _EXPORTS = {
     "LLM": "frontend.llm", "AsyncEngine": "frontend.async_engine", "EngineConfig": "config",
-    "SamplingParams": "sampling_params", "RequestOutput": "outputs", "TokenLogprob": "outputs",
+    "SamplingParams": "sampling_params", "PoolingParams": "pooling", "RequestOutput": "outputs", "TokenLogprob": "outputs",
     "EngineStats": "outputs", "ModelInfo": "outputs", "EngineRequest": "core.core_io", "RequestLimits": "validation",
 }
 

@@ -1,15 +1,23 @@
 """The engine's one configuration object, built once and read-only afterwards."""
 import argparse
 import json
+import math
+import os
+import re
 from dataclasses import asdict, dataclass, field
 
+from pagoda.engine.pooling import RUNNERS, PoolerConfig
 from pagoda.engine.validation import is_int
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8",)  # weight-only int8 on CPU (engine/layers/quantization.py)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
-CPU_KV_CACHE_GB = 1.0
+CPU_KV_CACHE_GB = 1.0  # the KV cache's default on CPU
+GPU_MEMORY_UTILIZATION = 0.9  # the default on CUDA: this fraction of the memory free after the weights, for KV
+MIN_KV_CACHE_BYTES = 1 << 20
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 # Tokens per step by default. On CPU a step of many thousand tokens spills its activations out of
 # the caches (measured: 8192 is ~25% slower end to end than 512 on the tiny benchmark model). 2048
 # measured 0.90-1.52x of 512 on a noisy VM (benchmarks/results/log.md 2026-11-28): not the default. oneDNN
@@ -103,12 +111,90 @@ def _positive(text: str) -> int:
     return value
 
 
+def memory_size(value) -> int | float:
+    """kv_cache_memory: bytes (an integer, or text such as 4GiB, 512MB, 2e9) as an int, or a fraction of
+    the free memory in (0, 1) as a float; ValueError naming kv_cache_memory."""
+    number, unit = value, ""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        try:
+            number, unit = float(m.group(1)), m.group(2)
+        except (AttributeError, ValueError):
+            number = None
+    ok = not isinstance(number, bool) and isinstance(number, (int, float)) and unit in _SIZE_UNITS \
+        and math.isfinite(number) and number > 0
+    if ok and not unit and number < 1:
+        return float(number)
+    size = number * _SIZE_UNITS[unit] if ok else 0
+    if not size >= MIN_KV_CACHE_BYTES or (not unit and size != int(size)):
+        raise ValueError(f"kv_cache_memory must be a size in bytes of at least 1 MiB (e.g. 4GiB, 512MB, 2e9) or a "
+                         f"fraction in (0, 1) of the memory free once the weights are loaded (e.g. 0.5), got {value!r}")
+    return int(size)
+
+
+def _memory_size(text: str) -> int | float:
+    try:
+        return memory_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("kv_cache_memory ")) from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def check_chat_template(text: str) -> None:
+    """ValueError naming chat_template unless text compiles as transformers compiles a chat template."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # torch-free
+
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"chat_template must be a Jinja template's text, got {text!r}")
+    try:
+        _compile_jinja_template(text)
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError, and whatever else compiling raises
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ValueError(f"chat_template does not compile{line}: {' '.join(str(e).split())}") from None
+
+
+def _chat_template(text: str) -> str:
+    """--chat-template: a Jinja file, or the template itself (text with a brace or a line break, as vLLM
+    tells them apart)."""
+    if os.path.isfile(os.path.expanduser(text)):
+        try:
+            with open(os.path.expanduser(text), encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {text!r}: {getattr(e, 'strerror', None) or e}") from None
+    elif not any(c in text for c in "{}\n"):
+        raise argparse.ArgumentTypeError(f"no such file {text!r} (a Jinja file, or the template text itself)")
+    try:
+        check_chat_template(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("chat_template ")) from None
+    return text
+
+
 def _speculative_config(text: str) -> SpeculativeConfig | None:
     """--speculative-config's JSON, checked while the flags are parsed."""
     try:
         return SpeculativeConfig.parse(text) if text.strip() else None
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _pooling(text: str) -> str:
+    """--pooling, checked while the flags are parsed."""
+    try:
+        PoolerConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -125,8 +211,9 @@ def _lora_module(text: str) -> tuple[str, str]:
 class EngineConfig:
     """A field with a "help" in its metadata is also a `pagoda serve` flag and PAGODA_* variable;
     server/main.py's add_options says what the other metadata keys mean."""
-    model: str | None = field(default=None, metadata={
-        "help": "HF model directory or hub id (default: the built-in demo model)", "none": ""})
+    model: str | None = field(default=None, metadata={"help": (
+        "HF model directory or hub id, also given as `pagoda serve MODEL` (default: the built-in demo model)"),
+        "none": ""})
     dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": (
         "weights/compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16 or AMX; float32 with "
         "--deterministic on), else float32; on CUDA the checkpoint's bf16/fp16 (default: auto)")})
@@ -137,14 +224,29 @@ class EngineConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block (default: 16)"})
     num_kv_blocks: int | None = field(default=None, metadata={  # explicit; else from the memory budget below
         "type": int, "help": "KV cache blocks (default: from the memory budget)"})
-    kv_cache_memory_gb: float | None = None  # explicit KV budget; default CPU 1 GiB, CUDA a fraction
-    gpu_memory_utilization: float = 0.9  # fraction of free CUDA memory for KV after the weights
+    # the KV budget: bytes (int), or a fraction (float) of the memory free once the weights are loaded
+    # (engine/loader.py free_memory); also text (memory_size). None: gpu_memory_utilization on CUDA, 1 GiB on CPU
+    kv_cache_memory: int | float | str | None = field(default=None, metadata={
+        "type": _memory_size, "metavar": "SIZE|FRACTION", "help": (
+            "memory for the KV cache: a size (4GiB, 512MB, 2e9; a plain integer: bytes) or a fraction in (0, 1) of "
+            "the memory free once the weights are loaded (CUDA: the device's; CPU: the RAM available, within a "
+            "container's limit) (default: 1GiB on CPU; on CUDA --gpu-memory-utilization)")})
+    # None: GPU_MEMORY_UTILIZATION on CUDA; on CPU ignored (with a log line: vLLM's flag, kept for its users)
+    gpu_memory_utilization: float | None = field(default=None, metadata={
+        "type": _fraction, "metavar": "FRACTION", "help": (
+            "CUDA: the fraction of the memory free once the weights are loaded that the KV cache and activations "
+            f"may take, when --kv-cache-memory is not given; ignored on CPU (default: {GPU_MEMORY_UTILIZATION:g})")})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once (default: 256)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={  # the default: MAX_NUM_BATCHED_TOKENS
         "type": int, "help": "most tokens per engine step (default: 8192 on CUDA, 512 on CPU)"})
     max_model_len: int | None = field(default=None, metadata={
         "type": int, "help": "context length (default: the checkpoint's)"})
     seed: int = 0
+    # the chat template's text, for every door (engine/loader.py load_tokenizer); None: the tokenizer's own
+    chat_template: str | None = field(default=None, metadata={
+        "type": _chat_template, "metavar": "FILE|TEXT", "help": (
+            "the chat template every door renders conversations with, instead of the tokenizer's: a Jinja file, or "
+            "the template text itself (default: the tokenizer's)")})
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS, "help": (
         "attention implementation: triton (CUDA), cpu (a C++ op), torch (SDPA, anywhere); default auto: "
         "triton on CUDA, cpu on CPU")})
@@ -203,9 +305,20 @@ class EngineConfig:
     cpu_fused_layers: bool = field(default=True, metadata={"help": (
         "float32 or bfloat16 on CPU: a decoder layer (Llama family) of a few rows (decode steps) as one C++ "
         "op, bitwise its ops one by one, without the Python between them (default: on)")})
+    # pooling (engine/pooling.py): which requests the engine serves, and how it pools hidden states
+    runner: str = field(default="auto", metadata={"choices": RUNNERS, "help": (
+        "generate: completions and chat; pooling: embeddings (pooled hidden states); all: both; auto: pooling "
+        "for a sentence-transformers checkpoint (modules.json), else generate (default: auto)")})
+    pooling: str | None = field(default=None, metadata={"type": _pooling, "metavar": "POOLING", "help": (
+        "how embeddings pool the model's hidden states: last, mean or cls, with normalize or no-normalize, "
+        "e.g. 'last,normalize', or vLLM's JSON '{\"pooling_type\": \"MEAN\", \"normalize\": true}' (default: "
+        "the sentence-transformers files, else last,normalize)")})
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
+        _choice("runner", self.runner, RUNNERS)
+        if self.pooling is not None:
+            PoolerConfig.parse(self.pooling)
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("device", self.device, DEVICES)
@@ -230,10 +343,13 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
-        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", memory_size(self.kv_cache_memory))
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)
         for name in ("enable_prefix_caching", "enforce_eager", "engine_process", "deterministic", "cpu_fused_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -6,9 +6,28 @@ import time
 
 from pagoda.engine.core.core_io import EngineRequest
 from pagoda.engine.errors import InvalidRequestError
+from pagoda.engine.pooling import NO_GENERATION, NO_POOLING, PoolingParams
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.validation import (DEFAULT_LIMITS, ModelLimits, RequestLimits, is_int, check_request_id, check_text,
-                                      new_request_id)
+from pagoda.engine.validation import (DEFAULT_LIMITS, ModelLimits, RequestLimits, is_int, check_messages, check_request_id,
+                                      check_text, new_request_id)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> list[int]:
+    """A conversation's prompt token ids, through the model's chat template: tools (OpenAI's function
+    tools, as the caller sent them) go to the template's `tools` argument, template_kwargs to the
+    template. What the template refuses (no template, a role it does not know) is the request's fault:
+    InvalidRequestError naming `messages`."""
+    check_messages(messages)  # the tokenizer's TypeError on a lone surrogate names nothing
+    kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kw)
+    except Exception as e:
+        raise InvalidRequestError("messages", f"cannot be rendered with the model's chat template: {e}") from e
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    if not ids:
+        raise InvalidRequestError("messages", "rendered to an empty prompt")
+    return ids
 
 
 def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: str | None = None,
@@ -20,13 +39,19 @@ def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: s
     this waits for it, so callers on an event loop run this in a thread when there is one).
     params.max_tokens None means default_max_tokens, else up to the context."""
     params = params if params is not None else SamplingParams()
+    pooling = params if isinstance(params, PoolingParams) else None
+    if pooling is not None:  # a prefill that never decodes: no token sampled
+        params = SamplingParams(max_tokens=0, truncate_prompt_tokens=pooling.truncate_prompt_tokens)
+        pooling = _check_pooling(pooling, model)
+    elif model.runner == "pooling":
+        raise InvalidRequestError("model", NO_GENERATION)
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError("sampling_params", f"must be a SamplingParams, got {type(params).__name__}")
     request_id = check_request_id(request_id) if request_id else new_request_id()
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError("priority", f"must be an integer, got {priority!r}")
     _check_stop_sizes(params, limits, model.vocab_size)
-    ids = _prompt_ids(prompt, tokenizer, model, limits, params.truncate_prompt_tokens)
+    ids = _prompt_ids(prompt, tokenizer, model, limits, params.truncate_prompt_tokens, pooling is not None)
     max_tokens = _max_tokens(params, len(ids), model.max_model_len, limits, default_max_tokens)
     if params.min_tokens > max_tokens:
         raise InvalidRequestError("min_tokens", f"must be <= max_tokens ({max_tokens}), got {params.min_tokens}")
@@ -43,7 +68,18 @@ def make_request(prompt, params, *, model: ModelLimits, tokenizer, request_id: s
         compile_s = time.monotonic() - t0
     return EngineRequest(request_id, ids, params, priority, stream, bad_words_token_ids=bad, prompt_text=text,
                          grammar_compile_s=compile_s,
-                         grammar=grammar)
+                         grammar=grammar, pooling=pooling)
+
+
+def _check_pooling(pooling: PoolingParams, model: ModelLimits) -> PoolingParams:
+    """A pooling request's params, the model's defaults filled in, if the model serves pooling."""
+    if model.runner == "generate" or model.pooler is None:
+        raise InvalidRequestError("model", NO_POOLING)
+    for i, t in enumerate(pooling.logit_token_ids or ()):
+        if not is_int(t) or not 0 <= t < model.vocab_size:
+            raise InvalidRequestError(f"logit_token_ids[{i}]",
+                                      f"must be a token id in [0, {model.vocab_size}), got {t!r}")
+    return pooling.resolved(model.pooler, model.hidden_size)
 
 
 def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
@@ -77,12 +113,14 @@ def _check_stop_sizes(params, limits: RequestLimits, vocab_size: int) -> None:
             raise InvalidRequestError("logit_bias", f"token ids must be < vocab_size ({vocab_size}), got {t}")
 
 
-def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits, keep_last: int | None) -> list[int]:
-    """The prompt's token ids, checked; `keep_last` (truncate_prompt_tokens) keeps a longer one's tail."""
-    most = limits.prompt_tokens(model.max_model_len)
+def _prompt_ids(prompt, tokenizer, model: ModelLimits, limits: RequestLimits, keep_last: int | None,
+                whole: bool = False) -> list[int]:
+    """The prompt's token ids, checked; `keep_last` (truncate_prompt_tokens) keeps a longer one's tail.
+    whole: a pooling request's, which may fill the context (no completion follows)."""
+    most = limits.prompt_tokens(model.max_model_len + whole)
     flag = "--max-prompt-tokens, and " if limits.max_prompt_tokens is not None else ""
-    too_long = (f"more than the {most} prompt tokens accepted ({flag}the context length {model.max_model_len} "
-                f"less one for the completion)")
+    why = "" if whole else " less one for the completion"
+    too_long = f"more than the {most} prompt tokens accepted ({flag}the context length {model.max_model_len}{why})"
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")

@@ -2,6 +2,7 @@
 safetensors (sharded or not). Pickle checkpoints are refused and no remote code runs. Under tensor
 parallelism each rank reads only the rows or columns its layers hold (engine/executor/parallel.py)."""
 import glob
+import logging
 import os
 
 import torch
@@ -10,6 +11,8 @@ from safetensors import safe_open
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")  # one is enough
+log = logging.getLogger("pagoda.engine")
+PROGRESS_BYTES = 1 << 30  # one weight file read: a progress line per GiB (several: a line per file)
 CHECKPOINT_FILES = ("a checkpoint directory holds config.json, the tokenizer files and *.safetensors weights "
                     "(e.g. `hf download Qwen/Qwen3-0.6B --local-dir DIR`)")
 
@@ -26,6 +29,7 @@ def resolve_model_path(model: str) -> str:
     if not _is_hub_id(model):
         raise ValueError(f"model {model!r}: no such directory (a local checkpoint directory, or a Hugging Face "
                          f"hub id such as Qwen/Qwen3-0.6B)")
+    log.info("model %s: from the Hugging Face hub (or its local cache)", model)
     return check_checkpoint(model, _download(model))
 
 
@@ -85,16 +89,43 @@ def load_hf_config(path: str):
         raise ValueError(f"cannot load {os.path.join(path, 'config.json')}: {_one_line(e)}") from e
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, chat_template: str | None = None):
+    """The checkpoint's tokenizer; chat_template (text) replaces its own, so that every door renders with it."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - no tokenizer files, a library it needs missing, ...
         raise ValueError(f"cannot load the tokenizer in {path} ({_one_line(e)}): {CHECKPOINT_FILES}") from e
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
-def load_weights(model: torch.nn.Module, path: str) -> None:
+class _Progress:
+    """Log lines while the weights are read: what is read, then a line per file when there are several, else
+    per PROGRESS_BYTES of the one file's tensors."""
+
+    def __init__(self, files: list[str]):
+        self.files, self.total = len(files), sum(os.path.getsize(f) for f in files)
+        self.read = self.shown = 0
+        log.info("reading the weights: %d safetensors file%s, %.2f GiB", self.files, "s" * (self.files > 1),
+                 self.total / 2**30)
+
+    def tensor(self, t: torch.Tensor) -> None:
+        self.read += t.numel() * t.element_size()
+        if self.files == 1 and self.read - self.shown >= PROGRESS_BYTES:
+            self.shown = self.read
+            log.info("weights: %.1f of %.1f GiB read", self.read / 2**30, self.total / 2**30)
+
+    def file(self, i: int, file: str) -> None:
+        if self.files > 1:
+            log.info("weights: file %d of %d read (%s)", i + 1, self.files, os.path.basename(file))
+
+
+def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = ()) -> None:
+    """The checkpoint's tensors into the model's parameters; only those named with an `optional` prefix may be
+    missing."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         pickles = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
@@ -103,7 +134,8 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
     params = dict(model.named_parameters())
     missing = set(params)
     transform = getattr(model, "transform", lambda name, t: t)
-    for file in files:
+    progress = _Progress(files)
+    for i, file in enumerate(files):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 mapped = model.checkpoint_name(name)
@@ -113,8 +145,12 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                 if pname not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
                 owner = model.get_submodule(pname.rsplit(".", 1)[0])
-                _copy(owner, pname, params[pname], shard, transform(pname, _read(f, name, model, owner, pname, shard)))
+                tensor = _read(f, name, model, owner, pname, shard)
+                progress.tensor(tensor)
+                _copy(owner, pname, params[pname], shard, transform(pname, tensor))
                 missing.discard(pname)
+        progress.file(i, file)
+    missing = {name for name in missing if not name.startswith(optional)} if optional else missing
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights for: {', '.join(sorted(missing)[:8])}")
 
@@ -148,6 +184,27 @@ def _copy(owner, pname: str, param: torch.Tensor, shard: int | None, tensor: tor
     if target.shape != tensor.shape:
         raise ValueError(f"shape mismatch for {pname}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
     target.copy_(tensor)
+
+
+def free_memory(device: torch.device, meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes free now: a CUDA device's free memory; on CPU the RAM available (MemAvailable), within a
+    container's cgroup v2 memory limit."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # without /proc/meminfo: MemFree
+    try:
+        with open(meminfo) as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
+    try:
+        with open(f"{cgroup}/memory.max") as m, open(f"{cgroup}/memory.current") as c:
+            limit, used = m.read().strip(), int(c.read())
+        if limit != "max":
+            free = min(free, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 def device_of(name: str) -> torch.device:

@@ -47,6 +47,8 @@ class RequestOutput:
     # with params.prompt_logprobs, in a completion's first output: one per prompt token, None for the
     # first (nothing precedes it to predict it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # a pooling request (engine/pooling.py): its vector, a float32 numpy array ([dims]; "all": [num_tokens, dims])
+    embedding: object = None
 
     @property
     def outputs(self) -> list["RequestOutput"]:
@@ -128,6 +130,8 @@ class EngineStats:
     spec_mean_accepted_length: float = 0.0  # tokens a sequence gains per verifying step (accepted + 1); 0: none
     adapter_requests: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> requests taken in
     adapter_tokens: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> tokens generated
+    num_pooling_requests: int = 0  # pooling requests (embeddings) that got their vector
+    num_pooling_tokens: int = 0  # their prompt tokens
 
     def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
         """How long `num_seqs` more sequences (holding `num_tokens` more tokens) would wait before all
@@ -157,3 +161,6 @@ class ModelInfo:
     speculative_config: str = ""  # speculative decoding's config as JSON; "" when off
     deterministic: bool = False  # EngineConfig.deterministic
     adapters: tuple = ()  # the LoRA adapters loaded (engine/lora/adapters.py AdapterInfo), by name
+    runner: str = "generate"  # EngineConfig.runner resolved: generate, pooling or all
+    hidden_size: int = 0  # an embedding's most dimensions
+    pooler: object = None  # engine/pooling.py PoolerConfig: how embeddings pool (None: the runner generates only)

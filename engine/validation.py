@@ -63,6 +63,14 @@ class ModelLimits:
     """What the loaded model allows (from ModelInfo)."""
     vocab_size: int
     max_model_len: int
+    runner: str = "generate"  # which requests it serves: generate, pooling or all (engine/pooling.py)
+    hidden_size: int = 0  # an embedding's most dimensions
+    pooler: object = None  # engine/pooling.py PoolerConfig: the defaults of a pooling request
+
+    @classmethod
+    def of(cls, info) -> "ModelLimits":
+        """From a ModelInfo."""
+        return cls(info.vocab_size, info.max_model_len, info.runner, info.hidden_size, info.pooler)
 
 
 # ---- request ids ----

@@ -207,8 +207,9 @@ class PagodaServer:
             f"cpu, {config.cpu_threads} engine thread{'s' * (config.cpu_threads > 1)}"
         dtype = info.dtype + (f" + {info.quantization} weights" if info.quantization else "") \
             + (", deterministic" if info.deterministic else "")
-        log.info("serving %s (%s, %s, %s, context %d) on port %d", info.model_id, info.architecture, dtype,
-                 device, info.max_model_len, self.port)
+        http = f"HTTP (OpenAI API) on {self.host}:{self.http_port}" if self.http_port is not None else "HTTP off"
+        log.info("serving %s (%s, %s, %s, context %d): gRPC on %s:%d, %s", info.model_id, info.architecture, dtype,
+                 device, info.max_model_len, self.host, self.port, http)
         self.ready.set()
 
     def _engine_died(self, error: BaseException) -> None:

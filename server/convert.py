@@ -12,6 +12,7 @@ import json
 from pagoda.engine.core.core_io import EngineRequest
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.outputs import FINISH_REASONS
+from pagoda.engine.pooling import PoolingParams, with_prompt
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured.manager import StructuredOutputs
 from pagoda.engine.validation import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_TOP_LOGPROBS, RequestLimits,
@@ -350,3 +351,33 @@ def model_info(info, limits_default_max_tokens: int = DEFAULT_MAX_TOKENS, limits
             max_lora_rank=lora[1],
         ),
     )
+
+
+# ---- Embed ----
+
+def embed_requests(req: pb.EmbedRequest, engine, limits: RequestLimits, rid: str) -> list[EngineRequest]:
+    """A pooling request per input, each error under the request's name for its field."""
+    if not req.inputs:
+        raise InvalidRequestError("inputs", "must hold at least one input")
+    which = [x.WhichOneof("input") for x in req.inputs]
+    inputs = [x.text if w == "text" else list(x.token_ids.ids) for x, w in zip(req.inputs, which)]
+    inputs = with_prompt(inputs, engine.model_info.pooler, req.prompt_name or None)
+    params = PoolingParams(normalize=req.normalize if req.HasField("normalize") else None,
+                           dimensions=req.dimensions if req.HasField("dimensions") else None,
+                           truncate_prompt_tokens=req.truncate_prompt_tokens or None)
+    reqs = []
+    for i, (x, w) in enumerate(zip(inputs, which)):
+        if w is None:
+            raise InvalidRequestError(f"inputs[{i}]", "must hold text or token_ids")
+        try:
+            reqs.append(engine.make_request(x, params, f"{rid}-{i}", req.priority, limits=limits, stream=False))
+        except InvalidRequestError as e:
+            raise grpc_error(e, w, f"inputs[{i}].") from None
+    return reqs
+
+
+def embed_response(outs: list) -> pb.EmbedResponse:
+    """outs: (input index, whole output) pairs."""
+    embeddings = [pb.Embedding(values=out.embedding.tolist(), prompt_tokens=out.num_prompt_tokens)
+                  for _, out in sorted(outs, key=lambda x: x[0])]
+    return pb.EmbedResponse(embeddings=embeddings, prompt_tokens=sum(e.prompt_tokens for e in embeddings))

@@ -1,10 +1,12 @@
-"""`pagoda serve`: flags (each also a PAGODA_* environment variable) and the process around
-server/app.py's PagodaServer. Only the standard library is imported at module level, so building
-the `pagoda` parser stays fast.
+"""`pagoda serve [MODEL]`: one engine behind two doors, gRPC (pagoda.v1, grpc.health.v1, reflection) on
+--port (default 50051) and HTTP (OpenAI API) on --http-port (default 8000). Flags (each also a PAGODA_*
+environment variable) and the process around server/app.py's PagodaServer. Only the standard library
+is imported at module level, so building the `pagoda` parser stays fast.
 
 Start-up: the server listens at once with grpc.health.v1 NOT_SERVING, loads the engine in a thread,
-then turns SERVING. SIGTERM (or SIGINT): health NOT_SERVING, new calls UNAVAILABLE, in-flight calls
-get --grace-period seconds to finish, then the engine shuts down and the process exits 0.
+then turns SERVING. SIGTERM (or Ctrl-C): health NOT_SERVING, new calls UNAVAILABLE, in-flight calls
+get --grace-period seconds to finish, then the engine shuts down and the process exits 0; a second
+signal ends it at once.
 
 The flags come from the fields of engine/config.py's EngineConfig, server/options.py's ServerOptions
 (limits, keepalive, TLS / mutual TLS, API key, metrics) and ServeProcess below (add_options).
@@ -30,10 +32,12 @@ class ServeProcess:
     """`pagoda serve`'s own flags, declared as EngineConfig's and ServerOptions' are; serve() and run()
     read them from the parsed args."""
     host: str = field(default="[::]", metadata={"help": "address to listen on (default: [::], all interfaces)"})
-    port: int = field(default=DEFAULT_PORT, metadata={
-        "help": f"port to listen on, 0 = any free one (default: {DEFAULT_PORT})"})
+    port: int = field(default=DEFAULT_PORT, metadata={"help": (
+        f"port of the gRPC API (pagoda.v1), 0 = any free one (default: {DEFAULT_PORT}); the HTTP (OpenAI) API's is "
+        "--http-port")})
     grace_period: float = field(default=DEFAULT_GRACE_S, metadata={
-        "help": f"seconds in-flight calls get to finish on SIGTERM (default: {DEFAULT_GRACE_S:g})"})
+        "help": f"seconds in-flight calls get to finish on SIGTERM or Ctrl-C; a second one quits at once (default: "
+                f"{DEFAULT_GRACE_S:g})"})
     log_level: str = field(default="INFO", metadata={"help": "logging level (default: INFO)"})
     log_format: str = field(default="text", metadata={
         "choices": ("text", "json"), "help": "text, or json: one JSON object per line (default: text)"})
@@ -44,9 +48,33 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from pagoda.engine.config import EngineConfig  # torch-free
     from pagoda.server.options import ServerOptions  # standard library only
 
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as with --model (as `vllm serve MODEL`)")
     groups = {None: p, **{title: p.add_argument_group(title) for title in ("limits", "security", "observability")}}
     for cls in (EngineConfig, ServerOptions, ServeProcess):
         add_options(groups, cls)
+
+
+def model_of(args: argparse.Namespace) -> str | None:
+    """The model: the positional MODEL or --model (PAGODA_MODEL: a default the positional overrides);
+    ValueError when the two name different models."""
+    given, flag = getattr(args, "model_arg", None), args.model or None
+    if given is None:
+        return flag
+    if flag is not None and flag != given and flag != os.environ.get("PAGODA_MODEL"):
+        raise ValueError(f"MODEL {given!r} and --model {flag!r} name different models: give one of them")
+    return given
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """What the flags say together, before anything binds or loads: ValueError with the line to show."""
+    from pagoda.server.ports import same_port
+
+    model_of(args)
+    clash = same_port([("--port", args.host, args.port), ("--http-port", args.host, args.http_port),
+                       ("--metrics-port", args.metrics_host, args.metrics_port)])
+    if clash:
+        raise ValueError(clash)
 
 
 def add_options(groups: dict, cls) -> None:
@@ -145,11 +173,12 @@ def engine_config(args: argparse.Namespace):
     from pagoda.engine import EngineConfig
 
     threads = args.cpu_threads or max(1, serving_cpu_threads() // max(1, args.tensor_parallel_size))
-    return from_args(EngineConfig, args, cpu_threads=threads)
+    return from_args(EngineConfig, args, cpu_threads=threads, model=model_of(args))
 
 
 def _build_engine(args: argparse.Namespace):
     """Runs in the loading thread: importing torch and the engine is part of loading."""
+    log.info("loading %s: importing torch, starting the engine", model_of(args) or "the demo model")
     from pagoda.engine import AsyncEngine
 
     return AsyncEngine(engine_config(args))
@@ -158,8 +187,14 @@ def _build_engine(args: argparse.Namespace):
 async def serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    received = []
+
+    def on_signal(sig):
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     from pagoda.server.app import PagodaServer
 
     try:
@@ -181,11 +216,21 @@ async def serve(args: argparse.Namespace) -> int:
         await server.drain(args.grace_period)  # with UNAVAILABLE now) have ended: at once, bar a stuck one
         log.error("exiting with code 1: the engine died")
         return 1
-    log.info("signal received; shutting down")
-    for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the process at once
-        loop.add_signal_handler(sig, lambda: os._exit(1))
+    if received[0] == signal.SIGINT:
+        log.info("Ctrl-C: shutting down; press Ctrl-C again to quit now")
+    else:
+        log.info("SIGTERM: shutting down; a second signal quits at once")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _quit_now, sig)
     await server.drain(args.grace_period)
     return 0
+
+
+def _quit_now(sig) -> None:
+    """A second signal while draining: out at once, the calls in flight cut off."""
+    log.warning("%s again: quitting now", "Ctrl-C" if sig == signal.SIGINT else "signal")
+    logging.shutdown()  # flushes the handlers: os._exit does not
+    os._exit(1)
 
 
 def setup_logging(level: str, fmt: str = "text") -> None:
@@ -200,6 +245,10 @@ def setup_logging(level: str, fmt: str = "text") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        check_serve_args(args)
+    except ValueError as e:  # a usage error: argparse's exit 2, after the usage line
+        args.parser.error(str(e))
     setup_logging(args.log_level, getattr(args, "log_format", "text"))
     return asyncio.run(serve(args))
 
@@ -207,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda serve", description=__doc__)
     add_serve_args(parser)
+    parser.set_defaults(parser=parser)
     return run(parser.parse_args(argv))
 
 

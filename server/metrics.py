@@ -56,7 +56,10 @@ class EngineCollector:
                 ("pagoda_spec_proposed_tokens", "speculative decoding: tokens proposed and verified",
                  s.spec_proposed_tokens),
                 ("pagoda_spec_accepted_tokens", "speculative decoding: proposed tokens accepted",
-                 s.spec_accepted_tokens)):
+                 s.spec_accepted_tokens),
+                ("pagoda_pooling_requests", "pooling requests (embeddings) finished with their vector",
+                 s.num_pooling_requests),
+                ("pagoda_pooling_tokens", "prompt tokens of those pooling requests", s.num_pooling_tokens)):
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, values in (
                 ("pagoda_lora_requests", "requests taken in, by LoRA adapter", s.adapter_requests),

@@ -106,8 +106,8 @@ class ServerOptions:
     # asked for (tests, embedders); `pagoda serve` serves it on the port OpenAI clients try first
     http_port: int | None = field(default=None, metadata={
         "serve_default": DEFAULT_HTTP_PORT, "type": _http_port, "help": (
-            "port of the OpenAI-compatible HTTP API on the same host, 0 = any free one, off = none (default: "
-            f"{DEFAULT_HTTP_PORT})")})
+            "port of the OpenAI-compatible HTTP API (vLLM's --port) on the same host, 0 = any free one, off = none "
+            f"(default: {DEFAULT_HTTP_PORT})")})
     # the names clients may call the model by (HTTP "model", GetModelInfo.model_id: the first);
     # empty: the --model argument as given (the demo model: "pagoda-demo")
     served_model_names: tuple[str, ...] = field(default=(), metadata={
@@ -187,12 +187,19 @@ class ServerOptions:
                              max_stop_token_ids=self.max_stop_token_ids, max_grammar_bytes=self.max_grammar_bytes,
                              grammar_compile_timeout=self.grammar_compile_timeout)
 
+    def grpc_receive_limit(self) -> int:
+        """gRPC's own receive limit, above max_message_bytes: a request up to twice that (and 16 MiB more) reaches
+        the servicer's deserializer, which refuses it before parsing with a message naming --max-message-bytes
+        (server/servicer.py Oversized); only a larger one gets grpc's own "larger than max" (also
+        RESOURCE_EXHAUSTED), without a buffer past this limit."""
+        return min(2**31 - 1, 2 * self.max_message_bytes + 16 * MIB)
+
     def grpc_options(self) -> list[tuple[str, int]]:
         """Channel arguments of the grpc server."""
         ms = lambda s: int(round(s * 1000))  # noqa: E731
         return [
             ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
-            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.grpc_receive_limit()),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.keepalive_time_ms", ms(self.keepalive_time)),
             ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout)),

@@ -11,6 +11,32 @@ _FIXES = {"--port": "pass another port, or 0 for any free one",
           "--metrics-port": "pass another port, or 0 for no metrics endpoint"}
 
 
+# what each port's flag serves, at length and in short
+_SERVES = {"--port": ("gRPC", "gRPC"), "--http-port": ("HTTP, OpenAI API", "HTTP"),
+           "--metrics-port": ("Prometheus metrics", "metrics")}
+_ANY_HOST = ("", "::", "0.0.0.0")
+
+
+def same_port(listeners: list[tuple[str, str, int | None]]) -> str | None:
+    """The line saying that two of (flag, host, port) would listen on the same port (0 or None: any free
+    one, or none), before either binds: else the second would find its port in use by the first."""
+    for i, (flag, host, port) in enumerate(listeners):
+        for other, other_host, other_port in listeners[i + 1:]:
+            if port and port == other_port and _overlap(host, other_host):
+                line = (f"{flag} {port} ({_SERVES[flag][0]}) and {other} {port} ({_SERVES[other][0]}) are the same "
+                        f"port: pagoda serves {_SERVES[flag][1]} on {flag} and {_SERVES[other][1]} on {other}; give "
+                        f"them different ports")
+                if (flag, other) == ("--port", "--http-port"):  # vLLM's --port is its HTTP API's
+                    line += " (vLLM's --port is pagoda's --http-port, default 8000)"
+                return line
+    return None
+
+
+def _overlap(a: str, b: str) -> bool:
+    a, b = a.strip("[]"), b.strip("[]")
+    return a == b or a in _ANY_HOST or b in _ANY_HOST
+
+
 def cannot_listen(flag: str, host: str, port: int, error: OSError) -> str:
     fix = _FIXES.get(flag, "pass another port")
     if error.errno == errno.EADDRINUSE:

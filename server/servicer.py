@@ -8,7 +8,7 @@ metrics and, for generations, writes the structured request log line (server/met
 
 Status codes: OK; INVALID_ARGUMENT (a bad or undecodable request; the message names the field);
 ALREADY_EXISTS (request_id in flight); RESOURCE_EXHAUSTED (waiting queue full, too many concurrent
-generations; both say "retry after a short backoff"; and grpc's own "message larger than max");
+generations; both say "retry after a short backoff"; a request over --max-message-bytes, refused unparsed);
 UNAVAILABLE (loading, draining, engine shut down); DEADLINE_EXCEEDED (the client's deadline, or
 --request-timeout); CANCELLED (the client cancelled); UNAUTHENTICATED (server/auth.py); INTERNAL
 (an engine step failed, or a bug).
@@ -49,8 +49,19 @@ class Undecodable:
         self.error = error
 
 
-def lenient_deserializer(cls):
+class Oversized:
+    """What the deserializer hands the handler for a request over --max-message-bytes, instead of parsing
+    it (gRPC's own limit is set higher: ServerOptions.grpc_receive_limit)."""
+
+    def __init__(self, size: int, limit: int):
+        self.message = (f"the request is {size} bytes, larger than --max-message-bytes ({limit}): send a smaller one, "
+                        f"or start the server with a larger --max-message-bytes")
+
+
+def lenient_deserializer(cls, max_bytes: int | None = None):
     def deserialize(data: bytes):
+        if max_bytes is not None and len(data) > max_bytes:
+            return Oversized(len(data), max_bytes)
         try:
             return cls.FromString(data)
         except Exception as e:  # google.protobuf.message.DecodeError, and anything else a parser may raise
@@ -59,13 +70,15 @@ def lenient_deserializer(cls):
 
 
 def add_servicer_to_server(servicer, server) -> None:
-    """As the generated add_GenerationServiceServicer_to_server, with lenient request deserializers."""
+    """As the generated add_GenerationServiceServicer_to_server, with lenient request deserializers that
+    refuse a request over --max-message-bytes unparsed."""
     service = pb.DESCRIPTOR.services_by_name["GenerationService"]
+    limit = servicer.state.options.max_message_bytes
     handlers = {}
     for m in service.methods:
         req_cls, resp_cls = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
         make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-        handlers[m.name] = make(getattr(servicer, m.name), request_deserializer=lenient_deserializer(req_cls),
+        handlers[m.name] = make(getattr(servicer, m.name), request_deserializer=lenient_deserializer(req_cls, limit),
                                 response_serializer=resp_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -111,6 +124,8 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
         state, metrics = self.state, self.state.metrics
         code = grpc.StatusCode.OK
         try:
+            if isinstance(request, Oversized):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, request.message)
             if isinstance(request, Undecodable):
                 raise InvalidRequestError("request", f"is not a valid {request.message_type} message "
                                                       f"({type(request.error).__name__}: {request.error}); strings "
@@ -225,6 +240,16 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
     async def GetStats(self, request, context):
         async with self._call(context, "GetStats", request) as engine:
             return pb.GetStatsResponse(**stats_dict(engine.stats()))
+
+    async def Embed(self, request, context):
+        record = self._record("Embed", context)
+        async with self._call(context, "Embed", request, record) as engine, contextlib.AsyncExitStack() as stack:
+            rid = request.request_id or _metadata_request_id(context) or new_request_id()
+            record.request_id = rid[:MAX_REQUEST_ID_LEN]
+            reqs = convert.embed_requests(request, engine, self.state.limits, rid)
+            self.state.check_call_size(len(reqs), "inputs")
+            outputs = open_requests(self.state, engine, reqs, record, stack, rid)
+            return convert.embed_response(await whole_outputs(outputs))
 
     async def LoadLoRAAdapter(self, request, context):
         async with self._call(context, "LoadLoRAAdapter", request) as engine:

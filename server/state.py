@@ -71,7 +71,8 @@ def stats_dict(s) -> dict:
             "step_seconds": s.step_s, "finished_per_second": s.finished_per_s,
             "spec_proposed_tokens": s.spec_proposed_tokens,
             "spec_accepted_tokens": s.spec_accepted_tokens, "spec_mean_accepted_length": s.spec_mean_accepted_length,
-            "adapter_requests": dict(s.adapter_requests), "adapter_generated_tokens": dict(s.adapter_tokens)}
+            "adapter_requests": dict(s.adapter_requests), "adapter_generated_tokens": dict(s.adapter_tokens),
+            "pooling_requests": s.num_pooling_requests, "pooling_tokens": s.num_pooling_tokens}
 
 
 class ServerState:

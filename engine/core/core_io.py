@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput
+    from pagoda.engine.pooling import PoolingParams
     from pagoda.engine.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class EngineRequest:
     grammar: str | None = None  # params.structured_outputs, compiled (engine/structured/manager.py)
     grammar_compile_s: float | None = None  # how long compiling it took, just before arrival_time (traces)
     adapter: str | None = None  # a LoRA adapter's name (engine/lora/adapters.py); None: the base model
+    pooling: PoolingParams | None = None  # pooled hidden states instead of tokens (resolved; params.max_tokens 0)
 
 
 @dataclass(frozen=True)

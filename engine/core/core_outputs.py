@@ -46,7 +46,8 @@ def _output(seq: Sequence) -> RequestOutput:
         num_prompt_tokens=seq.num_prompt_tokens, num_generated_tokens=num_generated,
         num_cached_tokens=seq.num_cached_tokens, metrics=seq.times.metrics(),
         logprobs=seq.logprobs[sent:num_generated] if seq.params.logprobs else None,
-        prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None and not sent else None)
+        prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None and not sent else None,
+        embedding=seq.embedding)
     seq.num_text_sent, seq.num_tokens_sent = end, num_generated
     return out
 

@@ -8,11 +8,11 @@ import torch
 
 from pagoda.engine.executor import parallel
 from pagoda.engine.core.block_manager import BlockManager
-from pagoda.engine.config import CPU_KV_CACHE_GB, MAX_NUM_BATCHED_TOKENS, EngineConfig
+from pagoda.engine.config import CPU_KV_CACHE_GB, GPU_MEMORY_UTILIZATION, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import AdapterNotFoundError, EngineDeadError
 from pagoda.engine.layers import deterministic, quantization
-from pagoda.engine.loader import device_of, load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.engine.loader import device_of, free_memory, load_hf_config, load_tokenizer, resolve_model_path
 from pagoda.engine.lora.adapters import AdapterInfo
 from pagoda.engine.lora import usable
 from pagoda.engine.lora.registry import AdapterRegistry, check_modules
@@ -24,6 +24,7 @@ from pagoda.engine.core.core_io import AdapterResult, EngineRequest
 from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput, scheduler_stats
 from pagoda.engine.core.sequence import Sequence
 from pagoda.engine.outputs import FinishReason
+from pagoda.engine.pooling import pooler_config, resolve_runner
 from pagoda.engine.spec_decode.proposers import Speculator
 from pagoda.engine.structured.manager import StructuredOutputManager
 from pagoda.engine.executor.workers import Workers
@@ -55,7 +56,7 @@ class EngineCore:
         self.model_name = config.model or DEMO_MODEL_NAME  # as the user named it
         self.hf_config = load_hf_config(path)
         self.architecture = architecture_of(self.hf_config)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, config.chat_template)
         self.eos_token_ids = _eos_ids(path, self.hf_config, self.tokenizer)
         self.vocab = TokenVocab(self.tokenizer, self.hf_config.vocab_size)
         self.structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
@@ -64,8 +65,10 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             parallel.check_splits(self.hf_config, config.tensor_parallel_size)
         self.draft_path = self._check_draft(config)
+        self.runner_kind = resolve_runner(config.runner, path)  # generate, pooling or all
+        self.pooler = None if self.runner_kind == "generate" else pooler_config(path, config.pooling)
         check_modules(config, self.hf_config, build_model)  # LoRA adapters, before any weights load
-        _log_phase("config and tokenizer", t0, path)
+        _log_phase("config and tokenizer", t0, f"{self.architecture}, {path}")
         return path
 
     def _check_draft(self, config: EngineConfig) -> str | None:
@@ -118,7 +121,7 @@ class EngineCore:
         per_block = sum(r.kv_bytes_per_block(config.block_size) for r in (self.runner, self.draft_runner) if r)
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(config, per_block)
         if num_blocks < 1:
-            raise ValueError("the KV memory budget holds no block; raise kv_cache_memory_gb or set num_kv_blocks")
+            raise ValueError("the KV memory budget holds no block; raise kv_cache_memory or set num_kv_blocks")
         capacity = num_blocks * config.block_size
         model_len = _checkpoint_context(self.hf_config)
         if self.draft_runner is not None:
@@ -128,24 +131,32 @@ class EngineCore:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the checkpoint's {model_len}")
             if config.max_model_len > capacity:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the KV cache's {capacity} "
-                                 f"tokens; raise num_kv_blocks or kv_cache_memory_gb")
+                                 f"tokens; raise num_kv_blocks or kv_cache_memory")
             model_len = config.max_model_len
+        elif self.pooler is not None and self.pooler.max_seq_length and self.pooler.max_seq_length < model_len:
+            model_len = min(self.pooler.max_seq_length, capacity)  # sentence_bert_config.json's, as vLLM
         elif model_len > capacity:
             log.warning("max_model_len capped at the KV cache capacity: %d tokens", capacity)
             model_len = capacity
         return dataclasses.replace(config, model=config.model or path, num_kv_blocks=num_blocks,
-                                   max_model_len=model_len, dtype=str(self.dtype).removeprefix("torch."),
-                                   device=self.device.type)
+                                   max_model_len=model_len, runner=self.runner_kind,
+                                   dtype=str(self.dtype).removeprefix("torch."), device=self.device.type)
 
     def _num_blocks_from_budget(self, config: EngineConfig, per_block: int) -> int:
-        if config.kv_cache_memory_gb is not None:
-            budget = config.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+        memory, cuda = config.kv_cache_memory, self.device.type == "cuda"
+        if config.gpu_memory_utilization is not None and (memory is not None or not cuda):
+            log.info("gpu_memory_utilization ignored: %s", "kv_cache_memory sizes the KV cache" if memory is not None
+                     else "on CPU the KV cache takes kv_cache_memory (default 1 GiB)")
+        if isinstance(memory, float):  # a fraction of what is free, the weights loaded
+            budget = free_memory(self.device) * memory
+        elif memory is not None:
+            budget = memory
+        elif cuda:
+            free = free_memory(self.device)
             # leave room for activations of the largest step besides the KV cache
             hidden = self.hf_config.hidden_size
             activations = config.max_num_batched_tokens * hidden * 64 + config.max_num_seqs * self.hf_config.vocab_size * 8
-            budget = free * config.gpu_memory_utilization - activations
+            budget = free * (config.gpu_memory_utilization or GPU_MEMORY_UTILIZATION) - activations
         else:
             budget = CPU_KV_CACHE_GB * 2**30
         return int(budget // per_block)
@@ -256,8 +267,7 @@ class EngineCore:
         return Sequence(req.request_id, req.prompt_token_ids, params, index=index, priority=req.priority,
                         eos_token_ids=self.eos_token_ids, stream=req.stream, arrival_time=req.arrival_time,
                         bad_words=req.bad_words_token_ids, detokenizer=detokenizer, generator=generator,
-                        adapter=req.adapter,
-                        adapter_uid=adapter_uid)
+                        adapter=req.adapter, adapter_uid=adapter_uid, pooling=req.pooling)
 
     @property
     def num_waiting(self) -> int:
@@ -363,6 +373,8 @@ class EngineCore:
             return [s for s in sched.seqs if s.is_finished]  # a failed run
         for seq, lps in result.prompt_logprobs:
             seq.prompt_logprobs += lps
+        for seq, vector in result.pooled:
+            seq.embedding = vector
         if self.speculator is not None:
             self.speculator.observe(sched, result.tokens)
         if result.logprobs is None:
@@ -418,7 +430,7 @@ class EngineCore:
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
                          c.max_num_batched_tokens, c.max_queue_len, c.quantization or "",
                          c.speculative_config.to_json() if c.speculative_config else "", c.deterministic,
-                         tuple(self.adapter_infos()))
+                         tuple(self.adapter_infos()), self.runner_kind, self.hf_config.hidden_size, self.pooler)
 
 
 def _log_phase(phase: str, t0: float, what: str) -> None:
@@ -426,12 +438,8 @@ def _log_phase(phase: str, t0: float, what: str) -> None:
 
 
 def _checkpoint_context(hf_config) -> int:
-    n = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        # attention here is full; within the window it equals sliding-window attention
-        n = min(n, window)
-    return n
+    """The checkpoint's context: its positions (a sliding window bounds what a token sees, not the context)."""
+    return getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
 
 
 def _eos_ids(path: str, hf_config, tokenizer) -> frozenset[int]:

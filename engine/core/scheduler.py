@@ -57,6 +57,8 @@ class Scheduler:
         self.num_prompt_tokens_cached = 0  # of those, found in the prefix cache
         self.num_prompt_tokens_processed = 0  # prompt tokens run through the model (recomputes included)
         self.num_generated_tokens = 0
+        self.num_pooling_requests = 0  # pooling sequences that got their vector
+        self.num_pooling_tokens = 0  # their prompt tokens
         self.structured = structured  # StructuredOutputManager: a constrained sequence's matcher takes each token
         self.max_queue_wait_s = max_queue_wait_s  # a sequence never scheduled this long after arrival is refused
         self.deadlines: list = []  # heap of (time, tiebreak, seq, reason): time limits and queue-wait limits
@@ -155,7 +157,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            if seq.needs_prompt_logprobs:  # every prompt position's logits are needed: no cached prefix
+            if seq.needs_every_prompt_row:  # no cached prefix: its rows are not computed
                 hits = []
             else:
                 hits = self.block_manager.match_prefix(seq)
@@ -189,6 +191,7 @@ class Scheduler:
         if seq.lora_slot >= 0:
             self.adapters.release(seq)
         seq.num_computed_tokens = seq.draft_computed = 0
+        seq.pool_state = None  # pooled again from the first row
         seq.status = SequenceStatus.PREEMPTED
         seq.times.preemptions.append(time.monotonic())
         self.num_preemptions += 1
@@ -212,9 +215,12 @@ class Scheduler:
                 if spec and not seq.is_finished:
                     self._roll_back(seq)
                 changed.append(seq)
-            elif seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:  # a prompt scored
+            elif seq.max_tokens == 0 and seq.num_computed_tokens == seq.num_tokens:  # a prompt scored, or pooled
                 self.finish(seq, FinishReason.LENGTH)
                 changed.append(seq)
+                if seq.pooling is not None:
+                    self.num_pooling_requests += 1
+                    self.num_pooling_tokens += seq.num_prompt_tokens
         return changed
 
     def _roll_back(self, seq: Sequence) -> None:
@@ -257,6 +263,7 @@ class Scheduler:
         self.block_manager.free(seq)
         if seq.lora_slot >= 0:
             self.adapters.release(seq)
+        seq.pool_state = None
         seq.times.finished = time.monotonic()
         self.finish_times.append(seq.times.finished)
         seq.status = SequenceStatus.FINISHED
@@ -273,7 +280,8 @@ def scheduler_stats(s: Scheduler, now: float) -> dict:
                 prefix_cache_hit_rate=s.num_prompt_tokens_cached / seen if seen else 0.0,
                 num_waiting_tokens=s.num_waiting_tokens, num_free_seats=max(0, s.max_num_seqs - len(s.running)),
                 step_token_budget=s.max_num_batched_tokens, step_s=s.step_s,
-                finished_per_s=finished_per_s(s.finish_times, now), adapter_tokens=dict(s.adapter_tokens))
+                finished_per_s=finished_per_s(s.finish_times, now), adapter_tokens=dict(s.adapter_tokens),
+                num_pooling_requests=s.num_pooling_requests, num_pooling_tokens=s.num_pooling_tokens)
 
 
 def finished_per_s(finish_times, now: float) -> float:

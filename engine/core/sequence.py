@@ -52,7 +52,8 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, index: int = 0,
                  priority: int = 0, eos_token_ids: frozenset[int] = frozenset(), stream: bool = True,
                  arrival_time: float | None = None, bad_words: list[list[int]] | None = None,
-                 detokenizer=None, generator=None, matcher=None, adapter: str | None = None, adapter_uid: int = 0):
+                 detokenizer=None, generator=None, matcher=None, adapter: str | None = None, adapter_uid: int = 0,
+                 pooling=None):
         self.request_id = request_id  # the request it answers
         self.index = index  # which of the request's n completions
         self.seq_id = f"{request_id}#{index}"  # unique per sequence
@@ -90,6 +91,10 @@ class Sequence:
         self.lora_slot = -1  # its resident slot while running, else -1
         # the prefix cache's chain starts from the adapter: the same tokens under two adapters differ
         self.hash_seed = None if adapter is None else ("lora", adapter, adapter_uid)
+        # pooling (engine/pooling.py PoolingParams, resolved): pooled hidden states instead of tokens (max_tokens 0)
+        self.pooling = pooling
+        self.pool_state = None  # what its prompt's rows so far pool to (engine/layers/pooler.py), on the device
+        self.embedding = None  # the pooled vector, float32 numpy, once its prompt has run
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +112,12 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and some are not computed yet (so no prefix-cache hits)."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Every prompt position's hidden state is needed (prompt logprobs, pooling over more than the
+        last token): no prefix-cache hits."""
+        return self.needs_prompt_logprobs or (self.pooling is not None and self.pooling.method != "last")
 
     @property
     def is_finished(self) -> bool:

@@ -13,6 +13,7 @@ from pagoda.engine.executor.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers import cpu_attention, deterministic
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
+from pagoda.engine.layers.pooler import PoolRows, logit_rows, pool_step
 from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from pagoda.engine.loader import device_of, dtype_of, load_hf_config, load_weights
@@ -20,6 +21,7 @@ from pagoda.engine.lora.adapters import LoRAModel, step_slots
 from pagoda.engine.models import build_model
 from pagoda.engine.models.llama import LlamaDecoderLayer, fuse_decoder_layer
 from pagoda.engine.outputs import TokenLogprob
+from pagoda.engine.pooling import pooler_config, resolve_runner
 from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.core.sequence import Sequence
 from pagoda.engine.spec_decode.acceptance import accepted_tokens, proposal_rows
@@ -45,7 +47,10 @@ class ModelRunner:
         hf_config = load_hf_config(config.model)
         self.dtype = dtype_of(config.dtype, hf_config, self.device, config.deterministic)
         self.vocab_size = hf_config.vocab_size
-        self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group)
+        # a pooling-only checkpoint (Qwen3-Embedding's 4B, 8B: its base model's weights) may have no LM head
+        head_optional = (resolve_runner(config.runner, config.model) == "pooling"
+                         and not pooler_config(config.model, config.pooling).classifier_from_token)
+        self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group, head_optional)
         self.checkpoint_path = config.model  # a local directory here (LoRA adapters are checked against it)
         self.workers = workers  # tensor parallelism, on the driver: the other ranks, sent each step first
         # top logprobs per row: as many as the step's rows ask for at most; deterministic mode always takes
@@ -194,34 +199,42 @@ class ModelRunner:
         seqs, num_sampled = sched.seqs, sched.num_sampled
         sample_seqs = seqs if all(num_sampled) else sched.sampling_seqs
         scored = _prompt_rows(sched)  # prompt positions whose logprobs were asked for (rarely any)
-        graphs, prompt_lps = self.decode_graphs, []
+        pooling = _pooling_rows(sched)  # pooling sequences' rows (pooled hidden states, no token)
+        graphs, prompt_lps, pooled = self.decode_graphs, [], []
         if self.structured is not None and sample_seqs and not sched.spec_tokens:
             self.structured.start_bitmasks(sample_seqs, self.device.type == "cuda")  # filled while the model runs
-        if not sample_seqs and not scored:
+        if not sample_seqs and not scored and not pooling:
             self._forward(input_ids, positions, meta, [])  # prefill chunks only: nothing to sample
             return StepResult([])
         no_lora = self.lora is None or self.lora.state.gather is None  # graphs are captured without adapters
-        if graphs is not None and not scored and no_lora and meta.num_decode_tokens == len(seqs) <= graphs.max_batch:
+        if (graphs is not None and not scored and not pooling and no_lora
+                and meta.num_decode_tokens == len(seqs) <= graphs.max_batch):
             logits = graphs.run(input_ids, positions, meta)  # a decode row per sequence
             logits = logits if logits_idx is None else logits[logits_idx]
         else:
             calls = [(c, min(c + SCORED_ROWS, b)) for _, a, b, _ in scored for c in range(a, b, SCORED_ROWS)]
+            rows = logit_rows(pooling)  # a cross-encoder's score reads LM-head logits
+            score_rows = self._to_device(np.array(rows, dtype=np.int64), torch.int64) if rows else None
+            calls += [score_rows] if rows else []
             hidden = self._forward(input_ids, positions, meta, calls + ([logits_idx] if sample_seqs else []))
             prompt_lps = [(seq, self._scored_logprobs(hidden[a:b], targets, seq.params.prompt_logprobs))
                           for seq, a, b, targets in scored]
+            scores = self._logits(hidden, score_rows) if rows else None  # [len(rows), vocab]
+            pooled = pool_step(hidden, pooling, scores) if pooling else []
             if not sample_seqs:
-                return StepResult([], None, prompt_lps)
+                return StepResult([], None, prompt_lps, pooled)
             logits = self._logits(hidden, logits_idx)  # [num_sampled_rows, vocab]
         plain = all(s.params.is_plain_greedy and s.num_generated_tokens >= s.params.min_tokens for s in sample_seqs)
         if sched.spec_tokens:
-            return self._verify(sched, logits, plain, prompt_lps)
+            return self._verify(sched, logits, plain, prompt_lps, pooled)
         if plain:
-            return StepResult(_token_lists(self.sampler.argmax(logits.float())), None, prompt_lps)
+            return StepResult(_token_lists(self.sampler.argmax(logits.float())), None, prompt_lps, pooled)
         tokens, lp = self.sampler(logits, self._sampling_tensors(sample_seqs))
         lps = None if lp is None else [None if x is None else [x] for x in _logprob_lists(lp, tokens, sample_seqs)]
-        return StepResult(_token_lists(tokens), lps, prompt_lps)
+        return StepResult(_token_lists(tokens), lps, prompt_lps, pooled)
 
-    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, plain: bool, prompt_lps) -> "StepResult":
+    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, plain: bool, prompt_lps,
+                pooled) -> "StepResult":
         """Speculative decoding: logits [rows, vocab] of every sampled row (a speculating sequence has
         one per proposal plus one) -> each sampling sequence's accepted tokens (engine/spec_decode/)."""
         num_rows = np.array([k for k in sched.num_sampled if k], dtype=np.int64)
@@ -238,7 +251,7 @@ class ModelRunner:
             flat = _logprob_lists(lp, tokens, row_seqs)
             ends = np.cumsum(num_rows)
             lps = [None if flat[b - 1] is None else flat[b - n:b] for n, b in zip(num_rows, ends)]
-        return StepResult(lists, lps, prompt_lps)
+        return StepResult(lists, lps, prompt_lps, pooled)
 
     @torch.inference_mode()
     def draft_catch_up(self, input_ids: np.ndarray, starts: np.ndarray, counts: np.ndarray,
@@ -442,6 +455,7 @@ class StepResult:
     tokens: list[list[int]]  # per sampling sequence, in the step's order: its new tokens
     logprobs: list | None = None  # per sampling sequence: a (chosen logprob, top pairs) per new token, or None
     prompt_logprobs: list[tuple[Sequence, list[TokenLogprob]]] = field(default_factory=list)  # new this step
+    pooled: list[tuple[Sequence, np.ndarray]] = field(default_factory=list)  # pooling sequences whose prompt completed
 
 
 def _gather(sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -505,6 +519,17 @@ def _prompt_rows(sched: SchedulerOutput) -> list[tuple[Sequence, int, int, list[
     return out
 
 
+def _pooling_rows(sched: SchedulerOutput) -> list[PoolRows]:
+    """Per pooling sequence in the step: its rows of the flat batch, and whether they complete its prompt."""
+    out, row = [], 0
+    for seq, n in zip(sched.seqs, sched.num_new_tokens):
+        if seq.pooling is not None:
+            start = seq.num_computed_tokens
+            out.append(PoolRows(seq, row, row + n, start, start + n == seq.num_prompt_tokens))
+        row += n
+    return out
+
+
 def _bad_word_ends(seq: Sequence) -> list[int]:
     """The tokens that would complete one of seq's bad words after what it has generated."""
     out, generated = [], seq.num_generated_tokens
@@ -543,7 +568,7 @@ def _place(config: EngineConfig, rank: int) -> torch.device:
 
 
 def _load_model(hf_config, path: str, seed: int, dtype: torch.dtype, device: torch.device,
-                group: parallel.TPGroup | None) -> torch.nn.Module:
+                group: parallel.TPGroup | None, head_optional: bool = False) -> torch.nn.Module:
     """The model (this rank's shard under tensor parallelism) with the checkpoint's weights."""
     torch.manual_seed(seed)
     parallel.use_group(group)
@@ -552,7 +577,7 @@ def _load_model(hf_config, path: str, seed: int, dtype: torch.dtype, device: tor
             model = build_model(hf_config).to(dtype)
     finally:
         parallel.use_group(None)
-    load_weights(model, path)
+    load_weights(model, path, optional=("lm_head.",) if head_optional else ())
     return model.eval()
 
 

@@ -22,9 +22,9 @@ from pagoda.engine.errors import (AdapterLoadError, AdapterNotFoundError, Duplic
 from pagoda.engine.outputs import RequestOutput, merge
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.structured.manager import GrammarCompiler
-from pagoda.engine.inputs import make_request
+from pagoda.engine.inputs import chat_prompt_ids, make_request
 from pagoda.engine.lora import usable
-from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits, check_messages
+from pagoda.engine.validation import DEFAULT_LIMITS, ModelLimits, RequestLimits
 
 
 class AsyncEngine:
@@ -35,7 +35,7 @@ class AsyncEngine:
         self._transport = (ProcessTransport if config.engine_process else ThreadTransport)(config)
         ready = self._transport.ready
         self.config, self.model_info, self.tokenizer = ready.config, ready.model_info, ready.tokenizer
-        self._model = ModelLimits(self.model_info.vocab_size, self.model_info.max_model_len)
+        self._model = ModelLimits.of(self.model_info)
         # an in-thread core shares its compiler: the matcher a request's check built is the one it copies
         core = getattr(self._transport, "core", None)
         self.grammars = core.grammars if core is not None else GrammarCompiler(
@@ -158,10 +158,7 @@ class AsyncEngine:
                             template_kwargs: dict | None = None) -> list[int]:
         """The prompt's token ids; tools (OpenAI's function tools, as the client sent them) go to the
         template's `tools` argument; template_kwargs (checked: server/chat/reasoning.py) to the template."""
-        check_messages(messages)  # the tokenizer's TypeError on a lone surrogate names nothing
-        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, messages, tools, template_kwargs)
 
     @functools.cached_property
     def vocab(self):

@@ -17,9 +17,11 @@ from pagoda.server.anthropic.errors import ANTHROPIC
 from pagoda.server.anthropic.messages import Messages
 from pagoda.server.auth import check_key, key_digest
 from pagoda.server.ollama.api import Ollama
+from pagoda.server.ollama.embed import OllamaEmbed
 from pagoda.server.ollama.errors import OLLAMA
 from pagoda.server.openai.chat import Chat
 from pagoda.server.openai.completions import Completions
+from pagoda.server.openai.embeddings import Embeddings
 from pagoda.server.openai.responses import Responses
 from pagoda.server.openai.routes import Routes
 from pagoda.server.openai.serving import Serving
@@ -45,6 +47,7 @@ class OpenAIServer:
         completions, chat, routes = Completions(serving), Chat(serving), Routes(serving)
         responses = Responses(chat)
         messages, ollama = Messages(Serving(state, ANTHROPIC)), Ollama(Serving(state, OLLAMA))
+        ollama_embed = OllamaEmbed(Serving(state, OLLAMA))
         # no redirect for a trailing slash: each route answers with and without one
         self.app = FastAPI(title="pagoda", openapi_url=None, docs_url=None, redoc_url=None, redirect_slashes=False)
         self.app.add_exception_handler(RequestValidationError, _invalid_body)
@@ -58,7 +61,7 @@ class OpenAIServer:
                 ("GET", "/health", routes.health), ("GET", "/stats", routes.stats), ("GET", "/version", routes.version),
                 ("GET", "/metrics", routes.metrics), ("POST", "/v1/load_lora_adapter", routes.load_lora_adapter),
                 ("POST", "/v1/unload_lora_adapter", routes.unload_lora_adapter),
-                *messages.routes(), *ollama.routes()):
+                *messages.routes(), *ollama.routes(), *ollama_embed.routes(), *Embeddings(serving).routes()):
             for route in (path, path + "/"):
                 self.app.add_api_route(route, handler, methods=[method], include_in_schema=False)
 

@@ -96,6 +96,43 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None  # only its default: none
 
 
+class EmbeddingRequest(_Fields):
+    """POST /v1/embeddings: OpenAI's fields, and vLLM's truncate_prompt_tokens (-1: the model's length),
+    normalize and priority; prompt_name (pagoda's) puts one of a sentence-transformers model's prompts
+    before each text."""
+    model: str | None = None
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Int | None = None
+    user: str | None = None  # accepted, not used
+    truncate_prompt_tokens: Int | None = None
+    normalize: bool | None = None
+    priority: Int | None = None
+    prompt_name: str | None = None
+
+
+class ScoreRequest(_Fields):
+    """vLLM's POST /v1/score: text_1 against each text_2 (one against many, or pairwise lists of one length)."""
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Int | None = None
+    priority: Int | None = None
+    user: str | None = None
+
+
+class RerankRequest(_Fields):
+    """vLLM's (Jina's, Cohere's) POST /v1/rerank: documents ordered by relevance to the query."""
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: Int | None = None
+    return_documents: bool | None = None
+    truncate_prompt_tokens: Int | None = None
+    priority: Int | None = None
+    user: str | None = None
+
+
 class ChatMessage(BaseModel):
     # one model for every role: what each role may carry is checked in chat.py, with the
     # message's index in the error
@@ -216,19 +253,19 @@ def sampling_params(body: _Sampling, max_tokens: int | None, logprobs: int | Non
 def structured(body: _Sampling) -> tuple[dict | None, str | None]:
     """The request's structured output, as StructuredOutputs' fields, and the field that gave it."""
     given = []
-    rf = body.response_format
+    rf = getattr(body, "response_format", None)  # another API's body has none of these fields
     if rf is not None and rf.type == "json_object":
         given.append(({"json_object": True}, "response_format"))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise InvalidRequestError("response_format.json_schema.schema", "is required with type json_schema")
         given.append(({"json": rf.json_schema.schema_}, "response_format.json_schema.schema"))
-    so = body.structured_outputs
+    so = getattr(body, "structured_outputs", None)
     if so is not None:
         fields = {"json" if k == "json_" else k: v for k, v in so.model_dump(exclude_none=True).items()}
         given.append((fields, "structured_outputs." + next(iter(fields), "json")))
     for kind in ("json", "regex", "choice", "grammar"):
-        value = getattr(body, f"guided_{kind}")
+        value = getattr(body, f"guided_{kind}", None)
         if value is not None:
             given.append(({kind: value}, f"guided_{kind}"))
     if len(given) > 1:

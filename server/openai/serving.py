@@ -69,7 +69,7 @@ class Serving:
             return self.dialect.error_for(e)
         call = Call(rid, int(time.time()), adapter or self.model_id(), engine, reqs, reader,
                     Logprobs(engine.vocab))
-        if body.stream:
+        if getattr(body, "stream", None):  # an embeddings body has no stream
             return self._stream(chunks(call, outputs), record, stack, rid)
         return await self._whole(lambda outs: answer(call, outs), outputs, request, record, stack, rid)
 
@@ -177,10 +177,10 @@ async def _disconnected(request: Request) -> None:
 
 def _big(body) -> bool:
     """A prompt long enough that rendering and tokenizing it should leave the event loop, or a
-    structured output (its compiling may take a while)."""
-    if structured(body)[0] is not None or getattr(body, "tools", None):
+    structured output (its compiling may take a while; Ollama's `format` too)."""
+    if structured(body)[0] is not None or getattr(body, "tools", None) or getattr(body, "format", None):
         return True
-    text = getattr(body, "prompt", None)
+    text = getattr(body, "prompt", None) or getattr(body, "input", None)  # an embeddings call's input
     if isinstance(text, str):
         return len(text) > 4096
     if isinstance(text, list) and text and isinstance(text[0], str):

@@ -65,17 +65,18 @@ def test_dockerfile_shape():
         assert any(word == "COPY" and script in rest and rest.endswith(f"/usr/local/bin/{name}") for word, rest in ins), \
             script
     exposed = " ".join(rest for word, rest in ins if word == "EXPOSE").split()
-    assert "50051" in exposed
+    assert "50051" in exposed and "8000" in exposed
     copied = " ".join(rest for word, rest in ins if word == "COPY")
-    for path in ("pyproject.toml", "README.md", "protos", "engine", "server", "client", "docker/install.sh",
+    for path in ("pyproject.toml", "setup.py", "README.md", "protos", "engine", "server", "client", "docker/install.sh",
                  "docker/entrypoint.sh", "docker/healthcheck.sh"):
         assert path in copied, path
         assert (REPO / path).exists(), path
     # The build context filter lets those in.
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
-    for path in ("pyproject.toml", "README.md", "protos/**", "engine/**", "server/**", "client/**",
+    for path in ("pyproject.toml", "setup.py", "README.md", "protos/**", "engine/**", "server/**", "client/**",
                  "docker/install.sh", "docker/entrypoint.sh", "docker/healthcheck.sh"):
         assert f"!{path}" in ignore, path
+    # setup.py compiles the CPU ops at build time (tests/docker/test_docker_build_context.py builds them)
 
 
 def test_install_script_installs_the_build_requirements_first():
@@ -91,7 +92,7 @@ def test_install_script_installs_the_build_requirements_first():
 
 def test_docker_readme_has_the_run_lines():
     text = (DOCKER / "README.md").read_text()
-    for needle in ("docker build -f docker/Dockerfile", "docker run", "--gpus all", "-p 50051:50051", "-v ",
+    for needle in ("docker build -f docker/Dockerfile", "docker run", "--gpus all", "-p 50051:50051", "-p 8000:8000", "-v ",
                    "PAGODA_API_KEY", "PAGODA_TLS_CERT", "PAGODA_TLS_CLIENT_CA", "PAGODA_METRICS_PORT",
                    "--model /models/"):
         assert needle in text, needle

@@ -76,7 +76,9 @@ def test_limit_flags_defaults(monkeypatch):
     assert o.http_keepalive_timeout == 75.0  # past httpx's (the openai SDK's) 5 s and nginx's 60 s
     assert (o.tls_cert, o.tls_key, o.tls_client_ca, o.api_key, o.metrics_port) == (None, None, None, None, 0)
     grpc_opts = dict(o.grpc_options())
-    assert grpc_opts["grpc.max_receive_message_length"] == grpc_opts["grpc.max_send_message_length"] == 4 << 20
+    assert grpc_opts["grpc.max_send_message_length"] == 4 << 20
+    # gRPC takes in more, for the servicer to refuse what is over the limit by name (server/servicer.py Oversized)
+    assert grpc_opts["grpc.max_receive_message_length"] == 2 * (4 << 20) + (16 << 20)
     # Keepalive that tolerates long prefills: clients may ping every 5 s with no data in flight, the
     # server keeps pinging through a prefill (no cap on pings without data) and answers pings on idle
     # connections.
@@ -173,7 +175,7 @@ def test_max_message_bytes(client):
         with pytest.raises(grpc.RpcError) as e:
             r = fn("x" * (64 * 1024 + 10), max_tokens=2)
             list(r) if fn.__name__ == "generate_stream" else r
-        assert e.value.code() == C.RESOURCE_EXHAUSTED and "larger than max" in e.value.details()
+        assert e.value.code() == C.RESOURCE_EXHAUSTED and "larger than --max-message-bytes" in e.value.details()
     # Just under the limit: an ordinary answer (here the prompt is too long in tokens).
     assert invalid(client.generate, "x" * (60 * 1024), max_tokens=2).startswith("text is")
     # The limit holds for answers too: 40 KB of text tokenizes to an answer over 64 KiB.

@@ -519,7 +519,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_seconds", "finished_per_second", "spec_proposed_tokens", "spec_accepted_tokens", "spec_mean_accepted_length", "adapter_requests", "adapter_generated_tokens")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_seconds", "finished_per_second", "spec_proposed_tokens", "spec_accepted_tokens", "spec_mean_accepted_length", "adapter_requests", "adapter_generated_tokens", "pooling_requests", "pooling_tokens")
     class AdapterRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +554,8 @@ class GetStatsResponse(_message.Message):
     SPEC_MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -574,4 +576,48 @@ class GetStatsResponse(_message.Message):
     spec_mean_accepted_length: float
     adapter_requests: _containers.ScalarMap[str, int]
     adapter_generated_tokens: _containers.ScalarMap[str, int]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., finished_per_second: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., adapter_requests: _Optional[_Mapping[str, int]] = ..., adapter_generated_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    pooling_requests: int
+    pooling_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., finished_per_second: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., adapter_requests: _Optional[_Mapping[str, int]] = ..., adapter_generated_tokens: _Optional[_Mapping[str, int]] = ..., pooling_requests: _Optional[int] = ..., pooling_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "inputs", "dimensions", "normalize", "truncate_prompt_tokens", "prompt_name", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    dimensions: int
+    normalize: bool
+    truncate_prompt_tokens: int
+    prompt_name: str
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., prompt_name: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values", "prompt_tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "prompt_tokens")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    prompt_tokens: int
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...

@@ -70,6 +70,11 @@ class GenerationServiceStub:
                 request_serializer=pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagoda.v1.GenerationService/Embed',
+                request_serializer=pagoda_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -129,6 +134,15 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Pooled hidden states (embeddings) of each input, as POST /v1/embeddings answers them. Needs a
+        server started with --runner pooling or all (a sentence-transformers checkpoint gets pooling),
+        else INVALID_ARGUMENT naming `model`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +180,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagoda_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -358,6 +377,33 @@ class GenerationService:
             '/pagoda.v1.GenerationService/UnloadLoRAAdapter',
             pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             pagoda_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.GenerationService/Embed',
+            pagoda_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            pagoda_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

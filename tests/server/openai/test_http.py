@@ -117,7 +117,7 @@ def test_unknown_model_and_route_are_404(srv, oai):
     with pytest.raises(openai.NotFoundError) as e:
         oai.completions.create(model="no-such-model", prompt="hi")
     assert "does not exist" in e.value.body["message"] and e.value.body["code"] == "model_not_found"
-    r = httpx.post(srv.http_url + "/v1/embeddings", json={})
+    r = httpx.post(srv.http_url + "/v1/images/generations", json={})  # a route not served
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(srv.http_url + "/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
