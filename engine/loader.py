@@ -80,13 +80,24 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+# multimodal checkpoints whose language model is served alone (text in, text out), as this text architecture
+LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 def load_hf_config(path: str):
+    """The checkpoint's config; a multimodal one's (LANGUAGE_MODEL_OF) is its text model's."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:  # config.json that is not JSON, or has no model_type
         raise ValueError(f"cannot load {os.path.join(path, 'config.json')}: {_one_line(e)}") from e
+    text = next((LANGUAGE_MODEL_OF[a] for a in getattr(config, "architectures", None) or () if a in LANGUAGE_MODEL_OF),
+                None)
+    if text is None:
+        return config
+    config.text_config.architectures = [text]
+    return config.text_config
 
 
 def load_tokenizer(path: str, chat_template: str | None = None):

@@ -17,7 +17,7 @@ from pagoda.engine.lora.adapters import AdapterInfo
 from pagoda.engine.lora import usable
 from pagoda.engine.lora.registry import AdapterRegistry, check_modules
 from pagoda.engine.executor.model_runner import ModelRunner, StepResult
-from pagoda.engine.models import architecture_of, build_model
+from pagoda.engine.models import architecture_of, build_model, kv_window
 from pagoda.engine.core.core_outputs import step_outputs
 from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.core.core_io import AdapterResult, EngineRequest
@@ -65,6 +65,8 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             parallel.check_splits(self.hf_config, config.tensor_parallel_size)
         self.draft_path = self._check_draft(config)
+        drafts = [load_hf_config(self.draft_path)] if self.draft_path else []
+        self.kv_window = kv_window(self.hf_config, *drafts)  # a sequence's blocks before it are given back
         self.runner_kind = resolve_runner(config.runner, path)  # generate, pooling or all
         self.pooler = None if self.runner_kind == "generate" else pooler_config(path, config.pooling)
         check_modules(config, self.hf_config, build_model)  # LoRA adapters, before any weights load
@@ -122,10 +124,16 @@ class EngineCore:
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(config, per_block)
         if num_blocks < 1:
             raise ValueError("the KV memory budget holds no block; raise kv_cache_memory or set num_kv_blocks")
-        capacity = num_blocks * config.block_size
         model_len = _checkpoint_context(self.hf_config)
         if self.draft_runner is not None:
             model_len = min(model_len, _checkpoint_context(load_hf_config(self.draft_path)))
+        capacity = num_blocks * config.block_size
+        if self.kv_window:  # a sequence holds its window's blocks and one step's, whatever its length
+            least = self.kv_window // config.block_size + 2
+            if num_blocks < least:
+                raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one sliding window ({self.kv_window} tokens): "
+                                 f"at least {least} blocks of {config.block_size}; raise num_kv_blocks or kv_cache_memory")
+            capacity = model_len
         if config.max_model_len is not None:
             if config.max_model_len > model_len:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the checkpoint's {model_len}")
@@ -187,9 +195,10 @@ class EngineCore:
 
     def _build_scheduler(self) -> None:
         c = self.config
-        self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, self.kv_window)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                   self.structured, c.max_queue_wait_s, self.adapters and self.adapters.slots)
+                                   self.structured, c.max_queue_wait_s, self.adapters and self.adapters.slots,
+                                   long_rope_from=(self.runner.long_rope or (None,))[0])
         spec = c.speculative_config
         self.speculator = Speculator(spec, c.max_model_len, self.draft_runner) if spec is not None else None
 

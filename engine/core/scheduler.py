@@ -45,8 +45,10 @@ def num_to_sample(seq: Sequence, num_new_tokens: int) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, structured=None, max_queue_wait_s: float | None = None, adapters=None):
+                 max_model_len: int, structured=None, max_queue_wait_s: float | None = None, adapters=None,
+                 long_rope_from: int | None = None):
         self.block_manager = block_manager
+        self.long_rope_from = long_rope_from  # LongRoPE: the length past which a sequence rotates by the long factors
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -103,6 +105,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(start_time=time.monotonic())
+        if self.long_rope_from is not None:
+            self._switch_to_long_rope(out)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         self._schedule_waiting(out, budget)
         # single-token queries first, longest context first (lets attention group similar lengths)
@@ -138,6 +142,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = max(1, self.block_manager.num_fitting(seq, seq.num_computed_tokens, n))
             while not self.block_manager.can_append(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]  # the newest (lowest priority) running sequence
                 self._preempt(victim, out)
@@ -164,8 +169,8 @@ class Scheduler:
                 if self.block_manager.prefix_in_flight(seq, hits):
                     break  # its prefix is being computed: next step it is a cache hit
             cached = len(hits) * self.block_manager.block_size
-            n = min(seq.num_tokens - cached, budget)
-            if not self.block_manager.can_allocate(seq, cached + n, hits):
+            n = self.block_manager.num_fitting(seq, cached, min(seq.num_tokens - cached, budget), hits)
+            if n == 0 or not self.block_manager.can_allocate(seq, cached + n, hits):
                 break
             if seq.adapter is not None and not self.adapters.acquire(seq):
                 i += 1
@@ -185,7 +190,18 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _switch_to_long_rope(self, out: SchedulerOutput) -> None:
+        """LongRoPE: a sequence longer than long_from rotates every token by the long factors, so one that grew
+        past it has its KV recomputed (as transformers' Phi-3 recomputes its cache there); its prefix-cache
+        blocks are the long factors' own from then on."""
+        for seq in [s for s in self.running if s.num_tokens > self.long_rope_from and not s.long_rope]:
+            self._preempt(seq, out, recompute_only=True)
+        for seq in self.waiting:
+            if seq.num_tokens > self.long_rope_from and not seq.long_rope:
+                seq.long_rope, seq.hash_seed, seq.block_hashes = True, ("longrope", seq.hash_seed), []
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, recompute_only: bool = False) -> None:
+        """Free seq's blocks to recompute it later (recompute_only: not for want of blocks, not counted)."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         if seq.lora_slot >= 0:
@@ -193,8 +209,9 @@ class Scheduler:
         seq.num_computed_tokens = seq.draft_computed = 0
         seq.pool_state = None  # pooled again from the first row
         seq.status = SequenceStatus.PREEMPTED
-        seq.times.preemptions.append(time.monotonic())
-        self.num_preemptions += 1
+        if not recompute_only:
+            seq.times.preemptions.append(time.monotonic())
+            self.num_preemptions += 1
         out.preempted.append(seq)
         self.add(seq)
 

@@ -18,6 +18,9 @@ class SequenceStatus(Enum):
 _arrival = itertools.count()
 
 
+NULL_BLOCK = -1  # a block table entry given back: out of every layer's sliding window (never read)
+
+
 class BlockTable(list):
     """A sequence's logical-to-physical block map: entry i is the physical block holding its
     tokens i * block_size .. (i + 1) * block_size - 1."""
@@ -76,6 +79,8 @@ class Sequence:
         self.block_table = BlockTable()
         self.block_hashes: list[int] = []  # chained content hashes of full blocks of token_ids (a memo)
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
+        self.num_released_blocks = 0  # leading blocks given back, out of the sliding window (NULL_BLOCK)
+        self.long_rope = False  # LongRoPE: rotated by the long factors, its length past the model's long_from
         self.logprobs: list = []
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1, 2, ... (the first has no context)
         self.bad_words = bad_words or []  # token ids of the words it must not generate

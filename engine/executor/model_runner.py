@@ -52,6 +52,9 @@ class ModelRunner:
                          and not pooler_config(config.model, config.pooling).classifier_from_token)
         self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group, head_optional)
         self.checkpoint_path = config.model  # a local directory here (LoRA adapters are checked against it)
+        rotary = getattr(self.model, "rotary", None)  # LongRoPE: (long_from, the long tables' offset)
+        long_from = getattr(rotary, "long_from", None)
+        self.long_rope = None if long_from is None else (long_from, rotary.cos.shape[0] // 2)
         self.workers = workers  # tensor parallelism, on the driver: the other ranks, sent each step first
         # top logprobs per row: as many as the step's rows ask for at most; deterministic mode always takes
         # the most a request may ask for (topk orders tied logprobs by another algorithm for another k)
@@ -308,6 +311,8 @@ class ModelRunner:
         ends = starts + counts
         num_tokens = len(input_ids)
         positions, slots = _positions_and_slots(starts, counts, tables, bs)
+        if self.long_rope is not None:
+            positions = self._long_rope_positions(seqs, counts, positions)
         # single-token queries (the scheduler puts them first) take the decode path; longer ones
         # (prefill chunks, several query tokens) the prefill path, which attends over a cached context too
         num_decodes = int(np.sum(counts == 1))
@@ -318,6 +323,12 @@ class ModelRunner:
             step = self._lora_step = step_slots([s.lora_slot for s in seqs], counts)
             self.lora.set_step(step, None if step is None else self._to_device(step.packed, torch.int64))
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, logits_idx
+
+    def _long_rope_positions(self, seqs, counts, positions) -> np.ndarray:
+        """LongRoPE: a sequence longer than long_from (the scheduler's Sequence.long_rope) rotates by the long
+        factors: its positions read the tables' second half."""
+        offset = self.long_rope[1]
+        return positions + offset * np.repeat(np.array([s.long_rope for s in seqs], dtype=np.int64), counts)
 
     def _attention_metadata(self, slots, tables, counts, ends, num_decodes: int) -> AttentionMetadata:
         t, lens = self._to_device, ends.astype(np.int32)

@@ -38,7 +38,9 @@ ONE_THREAD_ROWS = 8
 ALIGN = 64  # bytes; rows handed to oneDNN start on a cache line
 # activations whose every element is computed by the same code (the fused C++ SiLU; GPT-2's tanh GELU is
 # built from element-wise ops whose vector and scalar code agree, MKL's tanh included), by architecture
-ACTIVATIONS = {"GPT2LMHeadModel": ("activation_function", "gelu_new")}
+ACTIVATIONS = {"GPT2LMHeadModel": ("activation_function", "gelu_new"),
+               # Gemma's GeGLU (gelu_pytorch_tanh: one torch kernel, its vector and scalar tails differ) is refused
+               "Gemma2ForCausalLM": ("hidden_activation", "silu"), "Gemma3ForCausalLM": ("hidden_activation", "silu")}
 DEFAULT_ACTIVATION = ("hidden_act", "silu")
 
 

@@ -37,7 +37,8 @@ def rotary_dim(hf_config, head_dim: int, layer_type: str | None = None) -> int:
     return int(head_dim * factor)
 
 
-def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None,
+                        seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     params = rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
@@ -51,6 +52,8 @@ def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None)
                          f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
     layer_type = _per_type(hf_config, layer_type)
     kw = {} if layer_type is None else {"layer_type": layer_type}
+    if seq_len is not None:
+        kw["seq_len"] = seq_len
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
     return inv_freq.float(), float(scaling)
 
@@ -64,17 +67,34 @@ class RopeInputs:
     fused_ops: object = None  # pagoda's CPU ops module, when bound
 
 
+def long_rope_from(hf_config, max_position: int) -> int | None:
+    """LongRoPE (Phi-3.5, Phi-4-mini): the length past which a sequence's tokens rotate by the long factors,
+    or None (another RoPE type, or a context that never gets there)."""
+    params = rope_parameters(hf_config)
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", None)
+    if params.get("rope_type") != "longrope" or not original or original >= max_position:
+        return None
+    return original
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (first half with second half) of each head's first rotary_dim dimensions,
-    cos/sin tabled for every position."""
+    cos/sin tabled for every position. LongRoPE tables the long factors' rotations after the short ones'
+    (a position p + max_position reads them): the model runner offsets the tokens of a sequence longer
+    than long_from, as transformers rotates a forward pass whose positions reach past it."""
     fused_ops = None  # pagoda's CPU ops, bound by the model runner (float32 and bfloat16 models on CPU)
 
     def __init__(self, hf_config, head_dim: int, max_position: int, layer_type: str | None = None):
         super().__init__()
-        inv_freq, scaling = inverse_frequencies(hf_config, head_dim, layer_type)
         self.rotary_dim, self.head_dim = rotary_dim(hf_config, head_dim, layer_type), head_dim
+        self.long_from = None if layer_type is not None else long_rope_from(hf_config, max_position)
+        inv_freq, scaling = inverse_frequencies(hf_config, head_dim, layer_type)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+        if self.long_from is not None:
+            long_freq, _ = inverse_frequencies(hf_config, head_dim, seq_len=self.long_from + 1)
+            freqs = torch.cat((freqs, torch.arange(max_position, dtype=torch.float32)[:, None] * long_freq[None, :]))
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position (x2 with LongRoPE), rotary_dim]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 

@@ -2,7 +2,7 @@
 from pagoda.engine.models.gemma import GemmaForCausalLM
 from pagoda.engine.models.gpt2 import GPT2LMHeadModel
 from pagoda.engine.models.granite import granite
-from pagoda.engine.models.llama import LlamaForCausalLM, qwen2, qwen3
+from pagoda.engine.models.llama import LlamaForCausalLM, layer_windows, qwen2, qwen3
 from pagoda.engine.models.olmo2 import Olmo2ForCausalLM
 from pagoda.engine.models.smollm3 import smollm3
 
@@ -32,3 +32,10 @@ def architecture_of(hf_config) -> str:
 
 def build_model(hf_config):
     return MODELS[architecture_of(hf_config)](hf_config)
+
+
+def kv_window(*hf_configs) -> int:
+    """The sliding window every attention layer of these models keeps to (a token older than it is never read
+    again), or 0 where some layer attends to the whole context."""
+    windows = [w for cfg in hf_configs for w in layer_windows(cfg)]
+    return 0 if 0 in windows else max(windows)

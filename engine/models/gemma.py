@@ -1,4 +1,5 @@
-"""Gemma 2 (Gemma2ForCausalLM) and Gemma 3's text model (Gemma3ForCausalLM): Llama's attention and MLP (GeGLU)
+"""Gemma 2 (Gemma2ForCausalLM) and Gemma 3's text model (Gemma3ForCausalLM, and the language model of a
+Gemma3ForConditionalGeneration checkpoint): Llama's attention and MLP (GeGLU)
 with norms before and after each block, (1 + w) norms, a scaled embedding, sliding-window layers beside full
 ones (each layer type with its own RoPE base in Gemma 3), query_pre_attn_scalar, and Gemma 2's soft-capped
 attention scores and logits."""
@@ -7,6 +8,12 @@ from torch import nn
 
 from pagoda.engine.layers.rotary import RotaryEmbedding
 from pagoda.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, Parts, RMSNorm
+
+
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# (a multimodal checkpoint's prefix, the text model's): transformers' older and newer layouts
+_LANGUAGE_MODEL = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                   ("model.language_model.", "model."))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -59,6 +66,16 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def checkpoint_name(self, name: str):
+        """A Gemma3ForConditionalGeneration checkpoint's language model under its text model's names; its
+        vision tower and projector are not loaded (this server takes text)."""
+        if name.startswith(_VISION):
+            return None
+        for prefix, ours in _LANGUAGE_MODEL:
+            if name.startswith(prefix):
+                name = ours + name[len(prefix):]
+        return super().checkpoint_name(name)
 
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Gemma's norms scale by (1 + w): stored so, the shared RMSNorm (and its CPU op) computes them."""

@@ -116,3 +116,52 @@ def test_reusing_a_cached_free_block_takes_it_off_the_free_list():
     assert sorted(b.block_table) == [0, 1, 2] and bm.num_free_blocks == 0
 
 
+
+
+# ---- a sliding window: blocks no later query reads are given back ----
+
+def test_a_window_gives_back_the_blocks_behind_it_exact_ids():
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False, window=6)
+    a = seq("a", 10)
+    bm.allocate(a, 10)
+    assert a.block_table == [0, 1, 2]
+    a.num_computed_tokens = 10  # the next query, at 10, reads keys 5..10: block 0 is behind it
+    bm.append(a, 11)
+    assert a.block_table == [-1, 1, 2] and list(bm.free_block_ids) == [3, 4, 5, 0]
+    a.num_computed_tokens = 12  # reads 7..12: still from block 1; a fourth block for position 12
+    bm.append(a, 13)
+    assert a.block_table == [-1, 1, 2, 3]
+    a.num_computed_tokens = 16  # reads 11..16: blocks 2 on; 1 given back, 4 taken for position 16
+    bm.append(a, 17)
+    assert a.block_table == [-1, -1, 2, 3, 4] and list(bm.free_block_ids) == [5, 0, 1]
+    s = bm.stats()
+    assert (s.num_used_blocks, s.num_wasted_slots) == (3, 3 * 4 - (17 - 8))
+    bm.free(a)  # the given-back entries are not freed again
+    assert bm.num_free_blocks == 6 and all(blk.ref_count == 0 for blk in bm.blocks)
+    assert a.num_released_blocks == 0
+
+
+def test_a_window_fits_a_prompt_longer_than_the_cache_in_chunks():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False, window=5)
+    a = seq("a", 40)
+    assert bm.num_fitting(a, 0, 40) == 16  # four blocks from position 0
+    bm.allocate(a, 16)
+    a.num_computed_tokens = 16  # next from 16, reading keys 12..: blocks 0-2 can go back
+    assert not bm.can_append(a, 40) and bm.num_fitting(a, 16, 24) == 12
+    assert bm.can_append(a, 28)
+    bm.append(a, 28)
+    assert a.block_table == [-1, -1, -1, 3, 0, 1, 2] and bm.num_free_blocks == 0
+    # without a window, nothing is cut: the chunk fits or waits
+    assert BlockManager(4, 4).num_fitting(seq("b", 40), 0, 40) == 40
+
+
+def test_a_window_keeps_a_given_back_block_cached_for_a_prefix_hit():
+    bm = BlockManager(num_blocks=8, block_size=4, window=5)
+    a = seq("a", 12)
+    bm.allocate(a, 12)
+    a.num_computed_tokens = 12
+    bm.register_full_blocks(a)
+    bm.append(a, 13)
+    assert a.block_table[:2] == [-1, -1] and bm.stats().num_cached_blocks == 2
+    b = Sequence("b", list(a.token_ids), SamplingParams(max_tokens=8))
+    assert bm.match_prefix(b) == [0, 1]  # the first two blocks, whole in the cache, third held by a

@@ -8,6 +8,7 @@ import transformers
 from conftest import FAMILIES
 from oracle import greedy, random_prompts
 from pagoda.engine import LLM, SamplingParams
+from pagoda.engine.demo import build_tiny_checkpoint
 
 MAX_NEW = 12
 # 1 token, around the block size (16), several blocks
@@ -109,7 +110,6 @@ def test_greedy_matches_with_preemption_and_chunked_prefill(checkpoint, family, 
 
 
 def test_sharded_checkpoint_loads(tmp_path):
-    from pagoda.engine.demo import build_tiny_checkpoint
     path = build_tiny_checkpoint(str(tmp_path), "llama", initializer_range=0.3)
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     sharded = tmp_path / "sharded"
@@ -171,3 +171,52 @@ def test_padded_decode_path_of_cuda_graphs(checkpoint):
 def test_greedy_matches_with_other_block_sizes(checkpoint, block_size):
     """Block sizes the CPU op has no compiled-in specialisation for, and a block larger than most prompts."""
     _check(checkpoint("llama"), dict(num_kv_blocks=4096 // block_size, block_size=block_size))
+
+
+def test_longrope_matches_transformers_across_its_switch(tmp_path):
+    """Phi-3.5 / Phi-4-mini's LongRoPE: a sequence longer than original_max_position_embeddings rotates every
+    token by the long factors; one that grows past it is recomputed (transformers' Phi-3 recomputes its cache
+    there). Prompts below, across (during decoding) and above the switch, whole and in chunks, and the prefix
+    cache (a long prompt again: its blocks are the long factors' own)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1 + 0.1 * i for i in range(8)],
+            "long_factor": [2 + 0.5 * i for i in range(8)], "original_max_position_embeddings": 64}
+    path = build_tiny_checkpoint(str(tmp_path / "phi-longrope"), "phi3", initializer_range=0.3, head_dim=16,
+                                 max_position_embeddings=256, original_max_position_embeddings=64, rope_parameters=rope)
+    prompts = random_prompts(200, [10, 50, 70, 100])
+    want = _reference(path, prompts, max_new=30)
+    for options in ({}, {"max_num_batched_tokens": 24}):
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, **options)
+        assert llm.engine.runner.long_rope == (64, 256)
+        got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30))
+        assert [o.token_ids for o in got] == want
+        again = llm.generate(prompts[2:3], SamplingParams(temperature=0.0, max_tokens=30))
+        assert again[0].token_ids == want[2] and again[0].num_cached_tokens == 64
+        assert llm.engine.stats().num_preemptions == 0  # the recompute at the switch is not one
+
+
+def test_the_language_model_of_a_gemma3_multimodal_checkpoint(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint (vision tower and projector beside the language model) is
+    served as its text model: the same greedy tokens as transformers' multimodal class on text."""
+    from pagoda.engine.demo import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512, initializer_range=0.3,
+                tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=5, boi_token_index=6, eoi_token_index=7,
+                                       tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    path = str(tmp_path / "gemma3-mm")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    prompts = random_prompts(len(tok), [1, 17, 40, 70])
+    got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
+    assert [o.token_ids for o in got] == _reference(path, prompts, max_new=20)

@@ -385,7 +385,6 @@ BAD = [  # (path, body fields, the field named)
     ("chat", {"top_logprobs": 3}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ("chat", {"_debug_render_only": True}, "_debug_render_only"),
-    ("chat", {"foo": 1}, "foo"),
     ("chat", {"model": None}, "model"),
     ("generate", {"suffix": "end"}, "suffix"),
     ("generate", {"template": "{{ .Prompt }}"}, "template"),
