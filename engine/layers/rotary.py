@@ -47,10 +47,11 @@ def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None,
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     # dynamic NTK's frequencies change only past max_position_embeddings, which the context never is
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope_parameters.rope_type {rope_type!r} is not a RoPE type this server runs (one of "
-                         f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
     layer_type = _per_type(hf_config, layer_type)
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        field = "rope_parameters" + (f".{layer_type}" if layer_type else "") + ".rope_type"
+        raise ValueError(f"{field} {rope_type!r} is not a RoPE type this server runs (one of "
+                         f"default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
     kw = {} if layer_type is None else {"layer_type": layer_type}
     if seq_len is not None:
         kw["seq_len"] = seq_len

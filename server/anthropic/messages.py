@@ -51,7 +51,7 @@ class Messages:
         """The chat path's requests (thinking as the template's switch); its errors under Anthropic's names."""
         chat = chat.model_copy(update={"chat_template_kwargs": thinking_kwargs(engine.tokenizer, thinking)})
         try:
-            return self.chat.requests(chat, engine, rid)
+            return self.chat.requests(chat, engine, rid, fit_context=True)
         except InvalidRequestError as e:
             raise renamed(e) from None
 
@@ -65,7 +65,7 @@ def _whole(body: MessagesRequest, call: Call, outs: list) -> dict:
     content = [_thinking(answer.reasoning)] if answer.reasoning else []
     content += [{"type": "text", "text": answer.content}] if answer.content else []
     content += [_tool_use(c) for c in answer.calls]
-    return _message(call, content, _usage(out), _stop_reason(out, answer.calls), matched)
+    return _message(call, content, _usage(out), _stop_reason(body, out, answer.calls), matched)
 
 
 def _message(call: Call, content: list, usage: dict, reason: str | None = None, matched: str | None = None) -> dict:
@@ -73,8 +73,11 @@ def _message(call: Call, content: list, usage: dict, reason: str | None = None, 
             "stop_reason": reason, "stop_sequence": matched if reason == "stop_sequence" else None, "usage": usage}
 
 
-def _stop_reason(out, calls) -> str:
-    """Anthropic's stop reason of a finished output: the time limit cuts the answer short as max_tokens does."""
+def _stop_reason(body: MessagesRequest, out, calls) -> str:
+    """Anthropic's stop reason of a finished output: the time limit cuts the answer short as max_tokens does;
+    the context's end before max_tokens is model_context_window_exceeded (max_tokens is cut to the context)."""
+    if out.finish_reason == "length" and out.num_generated_tokens < body.max_tokens:
+        return "model_context_window_exceeded"
     if out.finish_reason in ("length", "time_limit"):
         return "max_tokens"
     if ends_in_calls(calls):
@@ -128,7 +131,7 @@ async def _events(body: MessagesRequest, call: Call, outputs):
             yield event
     for event in blocks.stop():
         yield event
-    reason = _stop_reason(last, stream.calls)
+    reason = _stop_reason(body, last, stream.calls)
     yield {"type": "message_delta", "delta": {"stop_reason": reason,
                                               "stop_sequence": matched if reason == "stop_sequence" else None},
            "usage": _usage(last)}

@@ -23,8 +23,10 @@ class Chat:
         return await self.serving.generate(body, request, "chatcmpl-", partial(self.requests, body),
                                            partial(_whole, body), partial(_chunks, body))
 
-    def requests(self, body: ChatRequest, engine, rid: str) -> tuple:
-        """The chat request's EngineRequest and AnswerReader (also the Responses API's, as a chat request)."""
+    def requests(self, body: ChatRequest, engine, rid: str, fit_context: bool = False) -> tuple:
+        """The chat request's EngineRequest and AnswerReader (also the Responses and Messages APIs', as a chat
+        request). fit_context: a max_tokens past what the context has left is cut to it (Anthropic's door:
+        Claude Code asks for more than most local models' context holds), not refused."""
         # max_completion_tokens (OpenAI's newer name) wins where both are given, as in vLLM
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs and not body.logprobs:
@@ -32,7 +34,12 @@ class Chat:
         params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         options, limits = self.serving.state.options, self.serving.state.limits
-        make = lambda ids, p: engine.make_request(ids, p, f"{rid}-0", body.priority or 0, limits=limits)  # noqa: E731
+
+        def make(ids, p):
+            room = engine.model_info.max_model_len - len(ids)
+            if fit_context and p.max_tokens is not None and 0 < room < p.max_tokens:
+                p = p.replace(max_tokens=room)
+            return engine.make_request(ids, p, f"{rid}-0", body.priority or 0, limits=limits)
         req, reader = chat_request(engine, _chat_messages(body.messages), params, make, tools=tools,
                                    tool_call_parser=options.tool_call_parser,
                                    reasoning_parser=options.reasoning_parser,

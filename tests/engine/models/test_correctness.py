@@ -220,3 +220,22 @@ def test_the_language_model_of_a_gemma3_multimodal_checkpoint(tmp_path):
     prompts = random_prompts(len(tok), [1, 17, 40, 70])
     got = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
     assert [o.token_ids for o in got] == _reference(path, prompts, max_new=20)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"layer_types": ["sliding_attention", "chunked_attention"]},
+     r"layer_types\[1\] 'chunked_attention' is not a layer type this server runs \(one of full_attention, "
+     r"sliding_attention\)"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "bogus", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     r"rope_parameters.sliding_attention.rope_type 'bogus' is not a RoPE type this server runs"),
+])
+def test_an_unknown_layer_or_rope_type_is_refused_naming_the_field(checkpoint, tmp_path, edit, message):
+    import json
+    import shutil
+
+    path = shutil.copytree(checkpoint("gemma3"), tmp_path / "edited")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(path), num_kv_blocks=16)

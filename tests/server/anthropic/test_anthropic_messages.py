@@ -106,14 +106,18 @@ def test_a_request_as_the_chat_request_it_means():
 
 
 def test_stop_reasons():
-    """The engine's finish as Anthropic's stop reason; the time limit cuts short as max_tokens does."""
-    def out(finish, reason, text="abcEND"):
-        return RequestOutput("r", [], text, finished=True, finish_reason=finish, stop_reason=reason)
+    """The engine's finish as Anthropic's stop reason; the time limit cuts short as max_tokens does; the
+    context's end before max_tokens is model_context_window_exceeded."""
+    body = MessagesRequest(model="m", max_tokens=8, messages=HI)
+
+    def out(finish, reason, text="abcEND", n=8):
+        return RequestOutput("r", [], text, finished=True, finish_reason=finish, stop_reason=reason,
+                             num_generated_tokens=n)
     call = [ToolCall("f", "{}")]
-    assert [_stop_reason(out(*r), calls) for r, calls in [
+    assert [_stop_reason(body, out(*r), calls) for r, calls in [
         (("stop", "eos"), []), (("stop", "grammar"), call), (("length", "length"), call),
-        (("time_limit", "time_limit"), []), (("stop", "stop_string"), [])]] == \
-        ["end_turn", "tool_use", "max_tokens", "max_tokens", "stop_sequence"]
+        (("time_limit", "time_limit"), []), (("stop", "stop_string"), []), (("length", "length", "a", 3), [])]] == \
+        ["end_turn", "tool_use", "max_tokens", "max_tokens", "stop_sequence", "model_context_window_exceeded"]
     assert _matched_stop(out("stop", "stop_string"), "abcEND", ["ND", "END", "x"]) == "END"
     assert _matched_stop(out("stop", "eos"), "abcEND", ["END"]) is None
 
@@ -254,6 +258,16 @@ def error_of(call) -> dict:
     return e.value
 
 
+def test_max_tokens_past_the_context_is_cut_to_it(tmp_path_factory):
+    """Claude Code asks for 32,000 tokens whatever the model: the answer runs to the context's end and says so."""
+    with tool_server(tmp_path_factory, "qwen", num_kv_blocks=16, max_model_len=64) as small:
+        c = anthropic.Anthropic(base_url=small.http_url, api_key="x", max_retries=0, timeout=120)
+        eos = small.engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        r = c.messages.create(model="m", max_tokens=32000, messages=HI, extra_body={"logit_bias": {str(eos): -100}})
+        assert r.stop_reason == "model_context_window_exceeded"
+        assert r.usage.input_tokens + r.usage.cache_read_input_tokens + r.usage.output_tokens == 64
+
+
 @pytest.mark.parametrize("kw, field", [
     ({"messages": [*HI, {"role": "system", "content": "x"}]}, "messages[1].role"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {
@@ -273,7 +287,6 @@ def error_of(call) -> dict:
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 100_000}, "max_tokens"),  # past the context: the engine's own check
     ({"stop_sequences": [""]}, "stop_sequences[0]"),
 ])
 def test_bad_requests_are_400s_naming_the_field(client, srv, kw, field):
