@@ -634,7 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
                 help="serve a model: gRPC on --port (50051), HTTP (OpenAI API) on --http-port (8000)",
                 description="Serve a model (default: the built-in demo model) through two doors over one engine: "
                             "gRPC (pagoda.v1, with grpc.health.v1 and server reflection) on --port, default 50051, "
-                            "and HTTP (OpenAI API: /v1/chat/completions, /v1/completions, ...) on --http-port, "
+                            "and HTTP (OpenAI API: /v1/chat/completions, /v1/completions, ...; Anthropic's "
+                            "/v1/messages; Ollama's /api/chat, /api/tags, ...) on --http-port, "
                             "default 8000. Every flag can also be set as the PAGODA_* environment variable shown.")
     _add_serve_args(p)
 

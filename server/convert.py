@@ -21,6 +21,7 @@ from pagoda.server.chat.answer import PLAIN, AnswerReader
 from pagoda.server.chat.requests import chat_request, render
 from pagoda.server.chat.tools import check_tools, ends_in_calls, message_tool_fields
 from pagoda.server.options import ServerOptions
+from pagoda.server.scoring import pair_inputs, pair_scores, ranked
 from pagoda.v1 import generation_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 256  # when the request leaves stopping.max_tokens unset (capped by the context)
@@ -374,6 +375,32 @@ def embed_requests(req: pb.EmbedRequest, engine, limits: RequestLimits, rid: str
         except InvalidRequestError as e:
             raise grpc_error(e, w, f"inputs[{i}].") from None
     return reqs
+
+
+def rerank_requests(req: pb.RerankRequest, engine, limits: RequestLimits, rid: str) -> list[EngineRequest]:
+    """The query against each document (server/scoring.py): a pooling request per pair or per text."""
+    if not req.documents:
+        raise InvalidRequestError("documents", "must hold at least one document")
+    n = len(req.documents)
+    inputs, names, params = pair_inputs(engine, [req.query] * n, list(req.documents),
+                                        ["query"] * n + [f"documents[{i}]" for i in range(n)],
+                                        req.truncate_prompt_tokens or None)
+    reqs = []
+    for i, (x, name) in enumerate(zip(inputs, names)):
+        try:
+            reqs.append(engine.make_request(x, params, f"{rid}-{i}", req.priority, limits=limits, stream=False))
+        except InvalidRequestError as e:
+            if not e.field.startswith("prompt"):
+                raise
+            raise e.renamed(name) from None
+    return reqs
+
+
+def rerank_response(req: pb.RerankRequest, engine, outs: list) -> pb.RerankResponse:
+    scores, tokens = pair_scores(engine, outs)
+    top_n = req.top_n if req.HasField("top_n") else None
+    return pb.RerankResponse(results=[pb.RerankResult(index=i, relevance_score=scores[i]) for i in ranked(scores, top_n)],
+                             prompt_tokens=tokens)
 
 
 def embed_response(outs: list) -> pb.EmbedResponse:

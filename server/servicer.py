@@ -251,6 +251,16 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
             outputs = open_requests(self.state, engine, reqs, record, stack, rid)
             return convert.embed_response(await whole_outputs(outputs))
 
+    async def Rerank(self, request, context):
+        record = self._record("Rerank", context)
+        async with self._call(context, "Rerank", request, record) as engine, contextlib.AsyncExitStack() as stack:
+            rid = request.request_id or _metadata_request_id(context) or new_request_id()
+            record.request_id = rid[:MAX_REQUEST_ID_LEN]
+            reqs = convert.rerank_requests(request, engine, self.state.limits, rid)
+            self.state.check_call_size(len(reqs), "documents")
+            outputs = open_requests(self.state, engine, reqs, record, stack, rid)
+            return convert.rerank_response(request, engine, await whole_outputs(outputs))
+
     async def LoadLoRAAdapter(self, request, context):
         async with self._call(context, "LoadLoRAAdapter", request) as engine:
             self.state.check_lora_loading()

@@ -1,10 +1,6 @@
 """POST /v1/embeddings: a pooling request per input (engine/pooling.py), through the serving skeleton as
 any generation is; each vector as floats or as base64 of little-endian float32. POST /v1/score and
-/v1/rerank (vLLM's) score text pairs: with an embedding model, as a bi-encoder (the cosine of the two
-texts' normalized embeddings); with a causal LM served as a cross-encoder (--pooling
-'{"classifier_from_token": ["no", "yes"]}', Qwen3-Reranker's recipe), the pair tokenized together (as
-vLLM does: the client writes the model's prompt template into text_1 and text_2) and scored by the
-softmax of the last position's logits of those tokens: P("yes")."""
+/v1/rerank (vLLM's) score text pairs (server/scoring.py)."""
 from __future__ import annotations
 
 import base64
@@ -16,10 +12,10 @@ from fastapi.responses import Response
 
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.pooling import PoolingParams, with_prompt
-from pagoda.engine.validation import check_text
 from pagoda.server.chat.answer import PLAIN
 from pagoda.server.openai.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagoda.server.openai.serving import Call, Serving
+from pagoda.server.scoring import pair_inputs, pair_scores, ranked
 
 
 class Embeddings:
@@ -55,16 +51,8 @@ class Embeddings:
         """Each pair's two texts (pairs(body): lefts, rights, and each text's name): a cross-encoder's request
         per pair, or each text embedded normalized, lefts first, then rights."""
         lefts, rights, names = pairs(body)
-        keep = _keep(body.truncate_prompt_tokens, engine)
-        classes = _classifier_ids(engine)
-        if classes is None:
-            params = PoolingParams(normalize=True, truncate_prompt_tokens=keep)
-            return self._requests(body, engine, rid, lefts + rights, names, params), PLAIN
-        names = names[len(lefts):]
-        ids = [engine.tokenizer(check_text(n, a), check_text(n, b))["input_ids"]
-               for a, b, n in zip(lefts, rights, names)]
-        params = PoolingParams(truncate_prompt_tokens=keep, logit_token_ids=classes)
-        return self._requests(body, engine, rid, ids, names, params), PLAIN
+        inputs, names, params = pair_inputs(engine, lefts, rights, names, _keep(body.truncate_prompt_tokens, engine))
+        return self._requests(body, engine, rid, inputs, names, params), PLAIN
 
     def _requests(self, body, engine, rid: str, inputs: list, names: list[str], params: PoolingParams) -> list:
         """A pooling request per input; the engine's prompt fields renamed to the input's."""
@@ -79,18 +67,6 @@ class Embeddings:
                     raise
                 raise e.renamed(name + e.field.removeprefix("prompt_token_ids").removeprefix("prompt")) from None
         return reqs
-
-
-def _classifier_ids(engine) -> tuple[int, ...] | None:
-    """A cross-encoder's class tokens (PoolerConfig.classifier_from_token) as ids, or None: a bi-encoder."""
-    pooler = engine.model_info.pooler
-    if pooler is None or not pooler.classifier_from_token:
-        return None
-    ids = tuple(engine.tokenizer.convert_tokens_to_ids(t) for t in pooler.classifier_from_token)
-    if any(i is None or i == engine.tokenizer.unk_token_id for i in ids):
-        raise InvalidRequestError("model", f"classifier_from_token {list(pooler.classifier_from_token)} are not "
-                                           f"single tokens of this model's vocabulary")
-    return ids
 
 
 def _keep(truncate_prompt_tokens: int | None, engine) -> int | None:
@@ -139,21 +115,6 @@ def _vectors(outs: list) -> tuple[list[np.ndarray], int]:
     return [o.embedding for o in ordered], sum(o.num_prompt_tokens for o in ordered)
 
 
-def _pair_scores(call: Call, outs: list) -> tuple[list[float], int]:
-    """Each pair's score, and the tokens of all texts: a cross-encoder's probability of its last class
-    token, or the cosine of the pair's vectors (normalized: a dot product)."""
-    vectors, tokens = _vectors(outs)
-    if _classifier_ids(call.engine) is not None:
-        return [float(_softmax(v)[-1]) for v in vectors], tokens
-    n = len(vectors) // 2
-    return [float(np.dot(a, b)) for a, b in zip(vectors[:n], vectors[n:])], tokens
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    e = np.exp(logits - logits.max())
-    return e / e.sum()
-
-
 def _embeddings(body: EmbeddingRequest, call: Call, outs: list) -> dict:
     vectors, tokens = _vectors(outs)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
@@ -163,16 +124,16 @@ def _embeddings(body: EmbeddingRequest, call: Call, outs: list) -> dict:
 
 
 def _scores(body: ScoreRequest, call: Call, outs: list) -> dict:
-    scores, tokens = _pair_scores(call, outs)
+    scores, tokens = pair_scores(call.engine, outs)
     return {"id": call.id, "object": "list", "created": call.created, "model": call.model,
             "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _ranked(body: RerankRequest, call: Call, outs: list) -> dict:
-    scores, tokens = _pair_scores(call, outs)
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or None]
-    results = [{"index": i, "relevance_score": scores[i], "document": {"text": body.documents[i]}} for i in order]
+    scores, tokens = pair_scores(call.engine, outs)
+    results = [{"index": i, "relevance_score": scores[i], "document": {"text": body.documents[i]}}
+               for i in ranked(scores, body.top_n)]
     if body.return_documents is False:
         for r in results:
             del r["document"]

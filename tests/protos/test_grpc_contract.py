@@ -111,7 +111,7 @@ def test_service_methods():
     assert svc.full_name == "pagoda.v1.GenerationService"
     methods = {m.name: m for m in svc.methods}
     assert set(methods) == {"Generate", "GenerateStream", "Tokenize", "GetModelInfo", "GetStats", "LoadLoRAAdapter",
-                            "UnloadLoRAAdapter", "Embed"}
+                            "UnloadLoRAAdapter", "Embed", "Rerank"}
     assert methods["GenerateStream"].server_streaming and not methods["GenerateStream"].client_streaming
     assert not methods["Generate"].server_streaming
 

@@ -84,3 +84,18 @@ def test_a_generation_server_refuses_embed():
         assert "served for generation: start with --runner pooling" in e.value.details()
     finally:
         s.stop()
+
+
+def test_rerank_as_a_bi_encoder_is_the_cosine_of_the_embeddings(stub, path):
+    query, docs = "Grüße aus Köln", ["Köln liegt am Rhein", "東京 🚀", "hello world"]
+    vecs = st_encode(path, [query] + docs)
+    want = vecs[1:] @ vecs[0]  # normalized: cosines
+    out = stub.Rerank(pb.RerankRequest(query=query, documents=docs), timeout=60)
+    assert [r.index for r in out.results] == np.argsort(-want).tolist()
+    np.testing.assert_allclose([r.relevance_score for r in out.results], np.sort(want)[::-1], rtol=1e-4, atol=1e-5)
+    assert out.prompt_tokens > 0
+    top = stub.Rerank(pb.RerankRequest(query=query, documents=docs, top_n=1), timeout=60)
+    assert [r.index for r in top.results] == [int(np.argmax(want))]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Rerank(pb.RerankRequest(query=query), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("documents ")

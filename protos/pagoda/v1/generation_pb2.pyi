@@ -621,3 +621,35 @@ class EmbedResponse(_message.Message):
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     prompt_tokens: int
     def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("request_id", "query", "documents", "top_n", "truncate_prompt_tokens", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    query: str
+    documents: _containers.RepeatedScalarFieldContainer[str]
+    top_n: int
+    truncate_prompt_tokens: int
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class RerankResult(_message.Message):
+    __slots__ = ("index", "relevance_score")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RELEVANCE_SCORE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    relevance_score: float
+    def __init__(self, index: _Optional[int] = ..., relevance_score: _Optional[float] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("results", "prompt_tokens")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    prompt_tokens: int
+    def __init__(self, results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...

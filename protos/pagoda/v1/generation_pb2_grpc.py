@@ -75,6 +75,11 @@ class GenerationServiceStub:
                 request_serializer=pagoda_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=pagoda_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/pagoda.v1.GenerationService/Rerank',
+                request_serializer=pagoda_dot_v1_dot_generation__pb2.RerankRequest.SerializeToString,
+                response_deserializer=pagoda_dot_v1_dot_generation__pb2.RerankResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -143,6 +148,16 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rerank(self, request, context):
+        """Documents scored against a query and ranked, as POST /v1/rerank answers: by a cross-encoder (a causal
+        LM started with --pooling '{"classifier_from_token": ["no", "yes"]}': P("yes") of query and document
+        tokenized together, the model card's prompt format written by the client) or by a bi-encoder (an
+        embedding model: the cosine of the two). Needs a pooling server, as Embed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +200,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=pagoda_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
                     response_serializer=pagoda_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=pagoda_dot_v1_dot_generation__pb2.RerankRequest.FromString,
+                    response_serializer=pagoda_dot_v1_dot_generation__pb2.RerankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +424,33 @@ class GenerationService:
             '/pagoda.v1.GenerationService/Embed',
             pagoda_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
             pagoda_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagoda.v1.GenerationService/Rerank',
+            pagoda_dot_v1_dot_generation__pb2.RerankRequest.SerializeToString,
+            pagoda_dot_v1_dot_generation__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -234,6 +234,16 @@ def test_a_causal_lm_served_as_a_cross_encoder_reranker(tmp_path):
         assert [r["index"] for r in ranked["results"]] == np.argsort(-np.array(want)).tolist()
         np.testing.assert_allclose([r["relevance_score"] for r in ranked["results"]], sorted(want, reverse=True),
                                    rtol=1e-4, atol=1e-6)
+        import grpc
+
+        from pagoda.v1 import generation_pb2 as pb
+        from pagoda.v1 import generation_pb2_grpc as pb_grpc
+        with grpc.insecure_channel(s.target) as channel:  # the gRPC contract's Rerank: the same scores
+            out = pb_grpc.GenerationServiceStub(channel).Rerank(pb.RerankRequest(query=query, documents=docs, top_n=2),
+                                                                timeout=60)
+        assert [r.index for r in out.results] == np.argsort(-np.array(want)).tolist()[:2]
+        np.testing.assert_allclose([r.relevance_score for r in out.results], sorted(want, reverse=True)[:2],
+                                   rtol=1e-4, atol=1e-6)
         all_blocks_free(s)
     finally:
         s.stop()
