@@ -17,6 +17,8 @@ import math
 import os
 import sys
 
+from pagoda.engine.openmp import waits_passively
+
 # The largest values the request's protobuf fields hold; beyond them protobuf itself fails the call.
 UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
 
@@ -705,14 +707,9 @@ def _add_offline_args(p: argparse.ArgumentParser) -> None:
 
 
 def openmp_waits_passively(env=os.environ) -> None:
-    """OpenMP threads that sleep while they wait (OMP_WAIT_POLICY=PASSIVE), unless the user set the policy
-    or GNU OpenMP's spin count (GOMP_SPINCOUNT=300000 is its default). Its default spins first, and a
-    spinning thread whose core another process takes holds every parallel operator at its barrier
-    (benchmarks/results/log.md: 5-19x slower with one busy process on 2 cores). The OpenMP runtime reads
-    the variable once, when torch loads: so here, before any import of torch, and inherited by the
-    engine's and tensor-parallel ranks' processes."""
-    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    """OpenMP threads that sleep while they wait (engine/openmp.py, the library's rule too): here, before any
+    import of torch, and inherited by the engine's and tensor-parallel ranks' processes."""
+    waits_passively(env)
 
 
 def main(argv: list[str] | None = None) -> int:

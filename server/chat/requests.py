@@ -24,16 +24,9 @@ def chat_request(engine, messages: list[dict], params, make, *, tools: ToolReque
 
 
 def render(engine, messages: list[dict], tools: list | None = None, template_kwargs: dict | None = None) -> list[int]:
-    """A conversation's prompt token ids, through the model's chat template (with the tools, as sent)."""
-    try:
-        ids = engine.apply_chat_template(messages, tools, template_kwargs)
-    except InvalidRequestError:
-        raise
-    except Exception as e:  # no template, a role the template refuses, ...: the request's fault
-        raise InvalidRequestError("messages", f"cannot be rendered with the model's chat template: {e}") from e
-    if not ids:
-        raise InvalidRequestError("messages", "rendered to an empty prompt")
-    return ids
+    """A conversation's prompt token ids, through the model's chat template (with the tools, as sent);
+    what the template refuses is InvalidRequestError naming `messages` (engine/inputs.py chat_prompt_ids)."""
+    return engine.apply_chat_template(messages, tools, template_kwargs)
 
 
 def _made(make, parsing: ToolParsing | None) -> EngineRequest:
