@@ -58,6 +58,8 @@ def test_embed_equals_sentence_transformers(stub, srv, path):
     np.testing.assert_allclose(vectors(query), full / np.linalg.norm(full, axis=1, keepdims=True), rtol=1e-4, atol=1e-5)
     stats = stub.GetStats(pb.GetStatsRequest(), timeout=60)
     assert stats.pooling_requests == 6 and stats.generated_tokens == 0
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
+    assert (info.runner, info.hidden_size) == ("pooling", vectors(out).shape[1])
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 

@@ -451,7 +451,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_queue_len: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., max_top_logprobs: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_string_len: _Optional[int] = ..., max_stop_token_ids: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_streams: _Optional[int] = ..., request_timeout_seconds: _Optional[float] = ..., max_logit_bias: _Optional[int] = ..., max_bad_words: _Optional[int] = ..., max_n: _Optional[int] = ..., max_prompt_logprobs: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., grammar_compile_timeout_seconds: _Optional[float] = ..., max_queue_wait_seconds: _Optional[float] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_id", "architecture", "dtype", "context_length", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "limits", "quantization", "speculative_config", "deterministic", "adapters")
+    __slots__ = ("model_id", "architecture", "dtype", "context_length", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "limits", "quantization", "speculative_config", "deterministic", "adapters", "runner", "hidden_size")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +465,8 @@ class GetModelInfoResponse(_message.Message):
     SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     dtype: str
@@ -478,7 +480,9 @@ class GetModelInfoResponse(_message.Message):
     speculative_config: str
     deterministic: bool
     adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., speculative_config: _Optional[str] = ..., deterministic: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    runner: str
+    hidden_size: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., quantization: _Optional[str] = ..., speculative_config: _Optional[str] = ..., deterministic: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., runner: _Optional[str] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("name", "path", "rank", "parent")
