@@ -16,6 +16,8 @@ from pagoda.server.openai.serving import Serving, json_response
 # The Ollama release whose API this one follows: clients gate features on it (structured outputs
 # 0.5, streamed tool calls 0.8, think 0.9), and every one of those is served here.
 VERSION = "0.12.0"
+_MANAGING = [("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"), ("POST", "/api/copy"),
+             ("DELETE", "/api/delete")]
 
 
 class Ollama:
@@ -26,7 +28,15 @@ class Ollama:
         return [("GET", "/", self.heartbeat), ("HEAD", "/", self.heartbeat),
                 ("POST", "/api/chat", self.chat), ("POST", "/api/generate", self.generate),
                 ("GET", "/api/tags", self.tags), ("POST", "/api/show", self.show), ("GET", "/api/ps", self.ps),
-                ("GET", "/api/version", self.version)]
+                ("GET", "/api/version", self.version),
+                *[(method, path, self.manage) for method, path in _MANAGING]]
+
+    async def manage(self, request: Request) -> Response:
+        """Ollama's model management (pull, push, create, copy, delete): refused, saying what is served."""
+        names = ", ".join(repr(n) for n in self.state.served_model_names())
+        return self.serving.dialect.error_response(
+            501, f"{request.method} {request.url.path}: this server serves the model it was started with ({names}) "
+                 f"and manages no others (start pagoda serve MODEL for another)")
 
     async def heartbeat(self) -> Response:
         """The ollama CLI's and Open WebUI's check that a server is there (they read this text)."""

@@ -417,3 +417,10 @@ def test_errors_reach_the_library_as_response_errors(client):
     with pytest.raises(ollama.ResponseError) as e:
         list(client.chat(model="m", messages=HI, options={"bogus": 1}, stream=True))
     assert e.value.status_code == 400 and e.value.error.startswith("options.bogus ")
+
+
+def test_model_management_is_refused_saying_what_is_served(client):
+    for call in (lambda: client.pull("m"), lambda: client.delete("m"), lambda: client.copy("m", "n")):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 501 and "serves the model it was started with ('m')" in e.value.error
