@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from pagoda.engine import LLM, SamplingParams
 
     from pagoda.engine.executor import parallel
-    from pagoda.engine.executor.model_runner import _positions_and_slots
+    from pagoda.engine.executor.batch import positions_and_slots as _positions_and_slots
 
     if args.model_config:
         path = common.cached_checkpoint(args.model_config)

@@ -1,6 +1,5 @@
 """Runs one scheduled step: builds the flat batch, runs the model, samples the next tokens."""
 import importlib.util
-import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -9,11 +8,13 @@ import torch
 
 from pagoda.engine.executor import parallel
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.executor.batch import (decode_groups, gather, pooling_rows, positions_and_slots, prompt_rows,
+                                          sample_rows)
 from pagoda.engine.executor.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers import cpu_attention, deterministic
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
-from pagoda.engine.layers.pooler import PoolRows, logit_rows, pool_step
+from pagoda.engine.layers.pooler import logit_rows, pool_step
 from pagoda.engine.layers.quantization import quantize_model_
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from pagoda.engine.loader import device_of, dtype_of, load_hf_config, load_weights
@@ -201,8 +202,8 @@ class ModelRunner:
         input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
         seqs, num_sampled = sched.seqs, sched.num_sampled
         sample_seqs = seqs if all(num_sampled) else sched.sampling_seqs
-        scored = _prompt_rows(sched)  # prompt positions whose logprobs were asked for (rarely any)
-        pooling = _pooling_rows(sched)  # pooling sequences' rows (pooled hidden states, no token)
+        scored = prompt_rows(sched)  # prompt positions whose logprobs were asked for (rarely any)
+        pooling = pooling_rows(sched)  # pooling sequences' rows (pooled hidden states, no token)
         graphs, prompt_lps, pooled = self.decode_graphs, [], []
         if self.structured is not None and sample_seqs and not sched.spec_tokens:
             self.structured.start_bitmasks(sample_seqs, self.device.type == "cuda")  # filled while the model runs
@@ -262,7 +263,7 @@ class ModelRunner:
         """A draft model (engine/spec_decode/): each sequence's query over positions [start, start +
         count) (single-token queries first; input_ids flat, block tables [n, widest]), its KV written at
         the target's slots; the argmax after each query's last row, on the device: [n]."""
-        positions, slots = _positions_and_slots(starts, counts, tables, self.block_size)
+        positions, slots = positions_and_slots(starts, counts, tables, self.block_size)
         meta = self._attention_metadata(slots, tables, counts, starts + counts, int(np.sum(counts == 1)))
         meta.decode_groups = ()  # rows are not sorted by context length here
         hidden = self._forward(self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64),
@@ -275,7 +276,7 @@ class ModelRunner:
         """A draft model: one decode row per sequence (input_ids [n] on the device, their positions,
         block tables [n, widest]); the argmax after each, on the device."""
         n = len(positions)
-        _, slots = _positions_and_slots(positions, np.ones(n, dtype=np.int64), tables, self.block_size)
+        _, slots = positions_and_slots(positions, np.ones(n, dtype=np.int64), tables, self.block_size)
         meta = self._attention_metadata(slots, tables, np.ones(n, dtype=np.int64), positions + 1, n)
         meta.decode_groups = ()  # rows are not sorted by context length here
         hidden = self._forward(input_ids, self._to_device(positions, torch.int64), meta, [])
@@ -305,18 +306,18 @@ class ModelRunner:
         """The step's flat batch on the device: input_ids, positions [num_tokens], attention
         metadata, and the rows whose logits are sampled (None: every row)."""
         seqs, bs = sched.seqs, self.block_size
-        input_ids, starts, tables = _gather(sched)
+        input_ids, starts, tables = gather(sched)
         counts = np.array(sched.num_new_tokens, dtype=np.int64)
         num_sampled = np.array(sched.num_sampled, dtype=np.int64)
         ends = starts + counts
         num_tokens = len(input_ids)
-        positions, slots = _positions_and_slots(starts, counts, tables, bs)
+        positions, slots = positions_and_slots(starts, counts, tables, bs)
         if self.long_rope is not None:
             positions = self._long_rope_positions(seqs, counts, positions)
         # single-token queries (the scheduler puts them first) take the decode path; longer ones
         # (prefill chunks, several query tokens) the prefill path, which attends over a cached context too
         num_decodes = int(np.sum(counts == 1))
-        logits_idx = None if num_tokens == len(seqs) and num_sampled.all() else _sample_rows(counts, num_sampled)
+        logits_idx = None if num_tokens == len(seqs) and num_sampled.all() else sample_rows(counts, num_sampled)
         meta = self._attention_metadata(slots, tables, counts, ends, num_decodes)
         logits_idx = None if logits_idx is None else self._to_device(logits_idx, torch.int64)
         if self.lora is not None:  # the adapter rows, grouped by slot
@@ -343,7 +344,7 @@ class ModelRunner:
             prefill_context_lens=t(lens[num_decodes:], torch.int32),
             max_query_len=int(counts.max()),
             max_context_len=int(ends.max()),
-            decode_groups=_decode_groups(ends[:num_decodes], self.block_size) if self.pads_decodes else (),
+            decode_groups=decode_groups(ends[:num_decodes], self.block_size) if self.pads_decodes else (),
         )
 
     def _to_device(self, a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -451,16 +452,6 @@ def _column_major_linears(model: torch.nn.Module) -> None:
             m.weight.data = m.weight.data.t().contiguous().t()
 
 
-def _decode_groups(context_lens: np.ndarray, block_size: int, num_groups: int = 4):
-    """Split decode rows (sorted longest first) into up to num_groups runs of equal count, each
-    with the block-table width its longest row needs."""
-    n = len(context_lens)
-    if n < 4 * num_groups:
-        return ()
-    bounds = np.linspace(0, n, num_groups + 1).astype(int)
-    return tuple((int(a), int(b), -(-int(context_lens[a]) // block_size)) for a, b in zip(bounds[:-1], bounds[1:]))
-
-
 @dataclass
 class StepResult:
     tokens: list[list[int]]  # per sampling sequence, in the step's order: its new tokens
@@ -469,76 +460,10 @@ class StepResult:
     pooled: list[tuple[Sequence, np.ndarray]] = field(default_factory=list)  # pooling sequences whose prompt completed
 
 
-def _gather(sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The one pass over the step's sequences (numpy does the rest): the new tokens' ids, flat;
-    each seq's first new position; block tables [num_seqs, widest], padded with -1."""
-    starts, ids, tables = [], [], []
-    for i, (s, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
-        a = s.num_computed_tokens
-        starts.append(a)
-        ids += s.token_ids[a:a + n]
-        if sched.spec_tokens:
-            ids += sched.spec_tokens[i]  # proposals follow the last token (speculative decoding)
-        tables.append(s.block_table)
-    return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), block_tables(tables)
-
-
-def _positions_and_slots(starts: np.ndarray, counts: np.ndarray, tables: np.ndarray, bs: int):
-    """Each sequence's query positions [start, start + count), flattened, and their KV slots."""
-    if len(counts) == int(counts.sum()):  # one token per sequence
-        seq_of_token, positions = np.arange(len(counts)), starts
-    else:
-        seq_of_token = np.repeat(np.arange(len(counts)), counts)
-        offsets = np.cumsum(counts) - counts
-        positions = starts[seq_of_token] + np.arange(int(counts.sum())) - offsets[seq_of_token]
-    slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-    return positions, slots
-
-
-def block_tables(tables) -> np.ndarray:
-    """Block tables [num_seqs, widest], padded with -1."""
-    return np.array(list(itertools.zip_longest(*tables, fillvalue=-1)), dtype=np.int32).T.copy()
-
-
-def _sample_rows(num_query: np.ndarray, num_sampled: np.ndarray) -> np.ndarray:
-    """The flat batch's rows whose logits are sampled: the last num_sampled[i] query rows of each seq."""
-    ends = np.cumsum(num_query)
-    first = np.repeat(ends - num_sampled, num_sampled)  # per sampled row: its seq's first sampled row
-    offset = np.arange(int(num_sampled.sum())) - np.repeat(np.cumsum(num_sampled) - num_sampled, num_sampled)
-    return first + offset
-
-
 def _token_lists(tokens: torch.Tensor) -> list[list[int]]:
     """The sampled tokens, a list per sampling sequence (one row each today): the step's one
     host-device sync."""
     return tokens[:, None].tolist()
-
-
-def _prompt_rows(sched: SchedulerOutput) -> list[tuple[Sequence, int, int, list[int]]]:
-    """Per sequence that wants prompt logprobs not yet computed: the rows [a, b) of the step's flat
-    batch whose logits score prompt tokens, and those tokens (each row scores the token after it;
-    tokens already scored before a preemption are not scored again)."""
-    out, row = [], 0
-    for seq, n in zip(sched.seqs, sched.num_new_tokens):
-        if seq.needs_prompt_logprobs:
-            start = seq.num_computed_tokens
-            first = max(start + 1, len(seq.prompt_logprobs) + 1)  # prompt token index to score first
-            last = min(start + n, seq.num_prompt_tokens - 1)
-            if first <= last:
-                out.append((seq, row + first - 1 - start, row + last - start, seq.token_ids[first:last + 1]))
-        row += n
-    return out
-
-
-def _pooling_rows(sched: SchedulerOutput) -> list[PoolRows]:
-    """Per pooling sequence in the step: its rows of the flat batch, and whether they complete its prompt."""
-    out, row = [], 0
-    for seq, n in zip(sched.seqs, sched.num_new_tokens):
-        if seq.pooling is not None:
-            start = seq.num_computed_tokens
-            out.append(PoolRows(seq, row, row + n, start, start + n == seq.num_prompt_tokens))
-        row += n
-    return out
 
 
 def _bad_word_ends(seq: Sequence) -> list[int]:

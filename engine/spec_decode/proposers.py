@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pagoda.engine.config import SpeculativeConfig
-from pagoda.engine.executor.model_runner import block_tables
+from pagoda.engine.executor.batch import block_tables
 
 PAUSE_STEPS = 16  # most steps a sequence with poor recent acceptance goes without proposals
 ACCEPTANCE_DECAY = 0.5  # weight of the history in a sequence's moving acceptance rate
