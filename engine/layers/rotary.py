@@ -55,8 +55,10 @@ def inverse_frequencies(hf_config, head_dim: int, layer_type: str | None = None,
     kw = {} if layer_type is None else {"layer_type": layer_type}
     if seq_len is not None:
         kw["seq_len"] = seq_len
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
-    return inv_freq.float(), float(scaling)
+    here = torch.empty(0).device  # the default device: meta where a model is only being checked (LoRA targets)
+    with torch.device("cpu"):  # transformers makes its arange on the default device, then moves it
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
+    return inv_freq.float().to(here), float(scaling)
 
 
 @dataclass
