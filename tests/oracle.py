@@ -6,7 +6,7 @@ import peft
 import torch
 import transformers
 
-LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+LORA_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                 "default": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 _GREEDY: dict = {}
 
@@ -40,7 +40,7 @@ def make_adapter(base: str, out: str, seed: int, r: int = 8, alpha: int = 16, ta
     """A PEFT LoRA adapter of `base` with random non-zero A and B, saved to `out`."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    family = "gpt2" if model.config.model_type == "gpt2" else "default"
+    family = model.config.model_type if model.config.model_type in LORA_TARGETS else "default"
     config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets or LORA_TARGETS[family],
                              lora_dropout=0.0, **options)
     model = peft.get_peft_model(model, config)

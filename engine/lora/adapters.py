@@ -351,7 +351,7 @@ def targetable_modules(model) -> set[str]:
         if isinstance(m, Linear) and not isinstance(m, ParallelLMHead):
             leaf = name.rsplit(".", 1)[-1]
             pieces = [k for k, v in getattr(model, "packed", {}).items() if v[0] == leaf]
-            out.update(pieces or [leaf])
+            out.update(pieces + [leaf])  # the pieces (q_proj, ...), or the fused layer whole (Phi-3's qkv_proj)
     return out
 
 
@@ -412,6 +412,11 @@ def _read_weights(model, layers: dict[str, LoRASlots], shapes: dict, name: str, 
             raise ValueError(f"{where}: {lname} has A {tuple(a.shape)} and B {tuple(b.shape)} (rank above "
                              f"max_lora_rank {layer.rank}, or not a LoRA pair)")
         parts = owner.tp_parts
+        pieces = out.setdefault(lname, [None] * len(layer.slices))
+        if shard is None and len(layer.slices) > 1:  # a fused layer targeted whole: A shared, B's rows per piece
+            for i, rows in enumerate(parts[None]):
+                pieces[i] = (a.to(layer.dtype), b.narrow(0, *rows).to(layer.dtype))
+            continue
         if owner.tp_dim == 0:  # column-parallel: this rank's output rows of B
             b = _shard(b, parts[shard], 0)
         else:  # row-parallel: this rank's input columns of A
@@ -421,7 +426,6 @@ def _read_weights(model, layers: dict[str, LoRASlots], shapes: dict, name: str, 
         if a.shape[1] != layer.At.shape[1] or b.shape[0] != n:
             raise ValueError(f"{where}: {lname} weights A {tuple(a.shape)}, B {tuple(b.shape)} do not fit the "
                              f"model's layer (another base model's adapter?)")
-        pieces = out.setdefault(lname, [None] * len(layer.slices))
         pieces[i] = (a.to(layer.dtype), b.to(layer.dtype))
     if not out:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")

@@ -18,6 +18,7 @@ peft = pytest.importorskip("peft")
 
 MAX_NEW = 10
 PROMPT_LENS = [1, 17, 40, 5, 33, 70]
+THIRD_TARGETS = {"gpt2": ["c_attn"], "phi3": ["qkv_proj"]}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def adapters(checkpoint, tmp_path_factory):
                 "one": make_adapter(base, str(root / "one"), 1),
                 "two": make_adapter(base, str(root / "two"), 2, r=4, alpha=8, use_rslora=True),
                 "three": make_adapter(base, str(root / "three"), 3, r=16, alpha=16,
-                                      targets=["q_proj", "v_proj"] if family != "gpt2" else ["c_attn"]),
+                                      targets=THIRD_TARGETS.get(family, ["q_proj", "v_proj"])),
             }
         return built[family]
     return get
@@ -58,8 +59,9 @@ def _assert_clean(llm):
 
 
 # llama3 and gemma3: RoPE scaling computed by transformers (the adapters' targets are checked on a model
-# built on the meta device first); gemma3 and granite: the newer families' parts under adapters
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2", "llama3", "gemma3", "granite"])
+# built on the meta device first); gemma3, granite and phi3 (fused qkv_proj / gate_up_proj targeted whole, as
+# PEFT makes them for Phi-3): the newer families' parts under adapters
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gpt2", "llama3", "gemma3", "granite", "phi3"])
 def test_each_adapter_alone_and_mixed_match_peft(adapters, family):
     base, paths = adapters(family)
     llm = LLM(base, dtype="float32", num_kv_blocks=64, lora_modules=paths, max_loras=4)
@@ -258,7 +260,7 @@ def test_lora_modules_forms(adapters):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
 def test_two_ranks_match_peft(adapters, family):
     """Tensor parallelism (gloo, 2 ranks): A/B sharded like their layers (column-parallel: B's rows;
     row-parallel: A's columns, each rank's partial update summed by the layer's all-reduce)."""
