@@ -173,3 +173,24 @@ def test_few_row_linear_per_call_times_the_three_kernels():
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| rows | panels | few-row op | oneDNN packed | oneDNN / panels |" in r.stdout
     assert r.stdout.count(" ms |") >= 2
+
+
+def test_embeddings_benchmark_against_sentence_transformers(tmp_path):
+    # the tiny Qwen3-Embedding layout of tests/embedding_fixtures.py; the same vectors from both sides
+    from embedding_fixtures import build_embedding_checkpoint
+    path = build_embedding_checkpoint(str(tmp_path / "qwen3-embed"))
+    out = tmp_path / "e.json"
+    r = _run("embeddings.py", "--model", path, "--num-texts", "40", "--text-len", "8", "40", "--subset-batches", "2",
+             "--st-batch-size", "8", "--repeats", "1", "--threads", "1", "--peers", "sentence-transformers",
+             "--latency", "--queries", "2", "--gen-requests", "4", "--gen-concurrency", "2", "--gen-input-len", "8", "16",
+             "--gen-output-len", "32", "32", "--load-ramp-s", "0.1", "--no-results", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["num_texts"] == 16  # 2 batches of 8 of the 40 texts' run
+    sides = doc["results"]["float32"]["sides"]
+    assert set(sides) == {"pagoda", "sentence-transformers"}
+    st = sides["sentence-transformers"]
+    assert st["cosine_vs_pagoda_min"] >= 0.999 and st["pagoda_speedup"] > 0 and st["dim"] == 64
+    lat = doc["latency"]
+    assert lat["idle_n"] == 2 and lat["idle_ms"]["p50"] > 0 and lat["gen_output_tok_s"] > 0
+    assert "| sentence-transformers | float32 |" in r.stdout and "Query latency" in r.stdout
