@@ -155,9 +155,9 @@ class PagodaServer:
         o = self.options
         security = ("mutual TLS" if o.tls_client_ca else "TLS") if credentials is not None else "plaintext"
         if o.http_port is not None:
-            from pagoda.server.openai import app as openai_app
+            from pagoda.server.http import app as http_app
 
-            self._http = openai_app.start(self.state, self.host, o.http_port)
+            self._http = http_app.start(self.state, self.host, o.http_port)
             self.http_port = self._http.port
             log.info("HTTP (OpenAI-compatible API) on %s://%s:%d/v1 (port %d)", "https" if credentials else "http",
                      self.host, self.http_port, self.http_port)

@@ -1,4 +1,4 @@
-"""A generation call as both doors run it (gRPC: server/servicer.py; HTTP: server/openai/serving.py):
+"""A generation call as both doors run it (gRPC: server/servicer.py; HTTP: server/http/serving.py):
 its requests opened in the engine, the one --request-timeout, and their outputs as they come."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from pagoda.server.openai.sse import Dialect
+from pagoda.server.http.dialects import Dialect
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",

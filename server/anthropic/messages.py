@@ -17,7 +17,7 @@ from pagoda.server.chat.answer import AnswerStream
 from pagoda.server.chat.tools import ends_in_calls
 from pagoda.server.openai.chat import Chat
 from pagoda.server.openai.protocol import ChatRequest
-from pagoda.server.openai.serving import Call, Serving
+from pagoda.server.http.serving import Call, Serving
 
 
 class Messages:

@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse, Response
 from pagoda.engine.errors import InvalidRequestError
 from pagoda.server.ollama import chat, models
 from pagoda.server.ollama.protocol import ChatBody, GenerateBody, ShowBody
-from pagoda.server.openai.serving import Serving, json_response
+from pagoda.server.http.serving import Serving, json_response
 
 # The Ollama release whose API this one follows: clients gate features on it (structured outputs
 # 0.5, streamed tool calls 0.8, think 0.9), and every one of those is served here.

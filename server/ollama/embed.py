@@ -16,7 +16,7 @@ from pagoda.engine.pooling import PoolingParams
 from pagoda.server.chat.answer import PLAIN
 from pagoda.server.ollama import models
 from pagoda.server.openai.protocol import Int
-from pagoda.server.openai.serving import Call, Serving
+from pagoda.server.http.serving import Call, Serving
 
 
 class _Fields(BaseModel):

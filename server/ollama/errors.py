@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import orjson
 
-from pagoda.server.openai.sse import Dialect
+from pagoda.server.http.dialects import Dialect
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

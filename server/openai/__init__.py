@@ -1,2 +1,2 @@
-"""The OpenAI-compatible HTTP door (vLLM's entrypoints/openai): protocol.py the requests, serving.py
-the skeleton every generation shares, one module per endpoint, sse.py the events, app.py the app."""
+"""OpenAI's API on the HTTP door (vLLM's entrypoints/openai): protocol.py the requests, errors.py OpenAI's
+error object, one module per endpoint; the app, the serving skeleton and the dialects are server/http's."""

@@ -12,7 +12,7 @@ from pagoda.server.chat.reasoning import check_template_kwargs
 from pagoda.server.chat.requests import chat_request, render
 from pagoda.server.chat.tools import check_tools, ends_in_calls, message_tool_fields
 from pagoda.server.openai.protocol import ChatMessage, ChatRequest, sampling_params
-from pagoda.server.openai.serving import Call, Serving, usage
+from pagoda.server.http.serving import Call, Serving, usage
 
 
 class Chat:

@@ -11,7 +11,7 @@ from pagoda.engine.errors import InvalidRequestError
 from pagoda.server.chat.answer import PLAIN
 from pagoda.server.openai.logprobs import echoed
 from pagoda.server.openai.protocol import CompletionRequest, sampling_params
-from pagoda.server.openai.serving import Call, Serving, usage
+from pagoda.server.http.serving import Call, Serving, usage
 
 
 class Completions:

@@ -14,7 +14,7 @@ from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.pooling import PoolingParams, with_prompt
 from pagoda.server.chat.answer import PLAIN
 from pagoda.server.openai.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
-from pagoda.server.openai.serving import Call, Serving
+from pagoda.server.http.serving import Call, Serving
 from pagoda.server.scoring import pair_inputs, pair_scores, ranked
 
 

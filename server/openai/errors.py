@@ -1,5 +1,5 @@
 """OpenAI's error object, and any exception's HTTP parts through server/state.py's one map (status_for,
-HTTP_STATUS); sse.py's Dialect writes them as responses."""
+HTTP_STATUS); server/http/dialects.py's Dialect writes them as responses."""
 from __future__ import annotations
 
 from pagoda.engine.errors import InvalidRequestError

@@ -16,7 +16,7 @@ from pagoda.server.chat.answer import AnswerStream
 from pagoda.engine.validation import new_request_id
 from pagoda.server.openai.chat import Chat
 from pagoda.server.openai.protocol import ChatMessage, ChatRequest, ResponsesRequest
-from pagoda.server.openai.serving import Call
+from pagoda.server.http.serving import Call
 
 # fields taken only at a value that changes nothing (besides null)
 _ONLY = {"include": ([],), "truncation": ("disabled",), "reasoning": ({},), "background": (False,),

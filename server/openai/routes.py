@@ -12,7 +12,7 @@ from pagoda.engine.validation import check_text
 from pagoda.server.openai.chat import render_chat
 from pagoda.server.openai.protocol import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
                                            UnloadLoRAAdapterRequest)
-from pagoda.server.openai.serving import Serving, json_response
+from pagoda.server.http.serving import Serving, json_response
 from pagoda.server.state import SERVING, stats_dict
 
 

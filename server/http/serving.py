@@ -20,7 +20,7 @@ from pagoda.engine.errors import InvalidRequestError
 from pagoda.engine.validation import new_request_id
 from pagoda.server.chat.answer import AnswerReader
 from pagoda.server.calls import open_requests
-from pagoda.server.openai import sse
+from pagoda.server.http import dialects
 from pagoda.server.openai.logprobs import Logprobs
 from pagoda.server.openai.protocol import renamed, structured
 from pagoda.server.state import ServerError, ServerState, status_for
@@ -41,7 +41,7 @@ class Call:
 class Serving:
     """The skeleton, answering in one API's dialect (OpenAI's by default)."""
 
-    def __init__(self, state: ServerState, dialect: sse.Dialect = sse.OPENAI):
+    def __init__(self, state: ServerState, dialect: dialects.Dialect = dialects.OPENAI):
         self.state, self.dialect = state, dialect
 
     async def generate(self, body, request: Request, id_prefix: str, make, answer, chunks) -> Response:
@@ -79,7 +79,7 @@ class Serving:
         async def close():  # the call's end, however it ends: even cancelled before its first chunk
             self._finish(record, status["code"])
             await stack.aclose()  # aborts every request that has not finished
-        return sse.EventStream(self.dialect.events(chunks, status), close, {"X-Request-Id": rid},
+        return dialects.EventStream(self.dialect.events(chunks, status), close, {"X-Request-Id": rid},
                                self.dialect.media_type)
 
     async def _whole(self, answer, outputs, request: Request, record, stack, rid: str) -> Response:

@@ -24,8 +24,8 @@ from pagoda.server.openai.completions import Completions
 from pagoda.server.openai.embeddings import Embeddings
 from pagoda.server.openai.responses import Responses
 from pagoda.server.openai.routes import Routes
-from pagoda.server.openai.serving import Serving
-from pagoda.server.openai.sse import OPENAI, Dialect
+from pagoda.server.http.serving import Serving
+from pagoda.server.http.dialects import OPENAI, Dialect
 from pagoda.server.state import ServerState
 
 _OPEN_PATHS = {"/health", "/version", "/metrics"}
