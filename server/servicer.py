@@ -242,24 +242,24 @@ class GrpcServicer(pb_grpc.GenerationServiceServicer):
             return pb.GetStatsResponse(**stats_dict(engine.stats()))
 
     async def Embed(self, request, context):
-        record = self._record("Embed", context)
-        async with self._call(context, "Embed", request, record) as engine, contextlib.AsyncExitStack() as stack:
-            rid = request.request_id or _metadata_request_id(context) or new_request_id()
-            record.request_id = rid[:MAX_REQUEST_ID_LEN]
-            reqs = convert.embed_requests(request, engine, self.state.limits, rid)
-            self.state.check_call_size(len(reqs), "inputs")
-            outputs = open_requests(self.state, engine, reqs, record, stack, rid)
-            return convert.embed_response(await whole_outputs(outputs))
+        return await self._pooled("Embed", request, context, convert.embed_requests, "inputs",
+                                  lambda engine, outs: convert.embed_response(outs))
 
     async def Rerank(self, request, context):
-        record = self._record("Rerank", context)
-        async with self._call(context, "Rerank", request, record) as engine, contextlib.AsyncExitStack() as stack:
+        return await self._pooled("Rerank", request, context, convert.rerank_requests, "documents",
+                                  lambda engine, outs: convert.rerank_response(request, engine, outs))
+
+    async def _pooled(self, method: str, request, context, make, field: str, answer):
+        """A pooling call: make(request, engine, limits, rid) -> its requests (at most the call size, named by
+        `field`), run whole; answer(engine, outputs) -> the response."""
+        record = self._record(method, context)
+        async with self._call(context, method, request, record) as engine, contextlib.AsyncExitStack() as stack:
             rid = request.request_id or _metadata_request_id(context) or new_request_id()
             record.request_id = rid[:MAX_REQUEST_ID_LEN]
-            reqs = convert.rerank_requests(request, engine, self.state.limits, rid)
-            self.state.check_call_size(len(reqs), "documents")
+            reqs = make(request, engine, self.state.limits, rid)
+            self.state.check_call_size(len(reqs), field)
             outputs = open_requests(self.state, engine, reqs, record, stack, rid)
-            return convert.rerank_response(request, engine, await whole_outputs(outputs))
+            return answer(engine, await whole_outputs(outputs))
 
     async def LoadLoRAAdapter(self, request, context):
         async with self._call(context, "LoadLoRAAdapter", request) as engine:
