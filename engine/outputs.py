@@ -104,6 +104,15 @@ def full_output(prompt_token_ids: list[int], choices: list[RequestOutput]) -> Re
 
 
 @dataclass(frozen=True)
+class KVGroupStats:
+    """A KV group (engine/core/block_manager.py kv_groups): its layers' window (0: the whole context), how many
+    layers its blocks hold, and the blocks held now."""
+    window: int
+    num_layers: int
+    blocks_used: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -132,6 +141,7 @@ class EngineStats:
     adapter_tokens: dict = dataclasses.field(default_factory=dict)  # LoRA adapter name -> tokens generated
     num_pooling_requests: int = 0  # pooling requests (embeddings) that got their vector
     num_pooling_tokens: int = 0  # their prompt tokens
+    kv_groups: tuple[KVGroupStats, ...] = ()  # the KV cache's groups of layers, each with its block tables
 
     def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
         """How long `num_seqs` more sequences (holding `num_tokens` more tokens) would wait before all

@@ -7,7 +7,7 @@ import time
 import torch
 
 from pagoda.engine.executor import parallel
-from pagoda.engine.core.block_manager import BlockManager
+from pagoda.engine.core.block_manager import BlockManager, kv_groups
 from pagoda.engine.config import CPU_KV_CACHE_GB, GPU_MEMORY_UTILIZATION, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import AdapterNotFoundError, EngineDeadError
@@ -17,9 +17,9 @@ from pagoda.engine.lora.adapters import AdapterInfo
 from pagoda.engine.lora import usable
 from pagoda.engine.lora.registry import AdapterRegistry, check_modules
 from pagoda.engine.executor.model_runner import ModelRunner, StepResult
-from pagoda.engine.models import architecture_of, build_model, kv_window
+from pagoda.engine.models import architecture_of, build_model, kv_windows
 from pagoda.engine.core.core_outputs import step_outputs
-from pagoda.engine.outputs import EngineStats, ModelInfo, RequestOutput, TokenLogprob
+from pagoda.engine.outputs import EngineStats, KVGroupStats, ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.core.core_io import AdapterResult, EngineRequest
 from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput, scheduler_stats
 from pagoda.engine.core.sequence import Sequence
@@ -66,7 +66,8 @@ class EngineCore:
             parallel.check_splits(self.hf_config, config.tensor_parallel_size)
         self.draft_path = self._check_draft(config)
         drafts = [load_hf_config(self.draft_path)] if self.draft_path else []
-        self.kv_window = kv_window(self.hf_config, *drafts)  # a sequence's blocks before it are given back
+        # a block table per group of layers with one window: a sliding group gives back the blocks behind it
+        self.kv_groups = kv_groups(kv_windows(self.hf_config, *drafts))
         self.runner_kind = resolve_runner(config.runner, path)  # generate, pooling or all
         self.pooler = None if self.runner_kind == "generate" else pooler_config(path, config.pooling)
         check_modules(config, self.hf_config, build_model)  # LoRA adapters, before any weights load
@@ -120,20 +121,16 @@ class EngineCore:
         """Fill in what the checkpoint, the device and the memory budget decide."""
         if config.max_num_batched_tokens is None:
             config = dataclasses.replace(config, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS[self.device.type])
-        per_block = sum(r.kv_bytes_per_block(config.block_size) for r in (self.runner, self.draft_runner) if r)
+        per_block = self.runner.kv_bytes_per_block(config.block_size, self.kv_groups)
+        if self.draft_runner is not None:
+            per_block += self.draft_runner.kv_bytes_per_block(config.block_size)
         num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(config, per_block)
         if num_blocks < 1:
             raise ValueError("the KV memory budget holds no block; raise kv_cache_memory or set num_kv_blocks")
         model_len = _checkpoint_context(self.hf_config)
         if self.draft_runner is not None:
             model_len = min(model_len, _checkpoint_context(load_hf_config(self.draft_path)))
-        capacity = num_blocks * config.block_size
-        if self.kv_window:  # a sequence holds its window's blocks and one step's, whatever its length
-            least = self.kv_window // config.block_size + 2
-            if num_blocks < least:
-                raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one sliding window ({self.kv_window} tokens): "
-                                 f"at least {least} blocks of {config.block_size}; raise num_kv_blocks or kv_cache_memory")
-            capacity = model_len
+        capacity = self._capacity(num_blocks, config.block_size, model_len)
         if config.max_model_len is not None:
             if config.max_model_len > model_len:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the checkpoint's {model_len}")
@@ -149,6 +146,26 @@ class EngineCore:
         return dataclasses.replace(config, model=config.model or path, num_kv_blocks=num_blocks,
                                    max_model_len=model_len, runner=self.runner_kind,
                                    dtype=str(self.dtype).removeprefix("torch."), device=self.device.type)
+
+    def _capacity(self, num_blocks: int, block_size: int, model_len: int) -> int:
+        """The most tokens one sequence can hold in num_blocks: a sliding group holds its window's blocks and
+        one step's at most, a full group a block per block_size tokens."""
+        windows = [g.window for g in self.kv_groups]
+        caps = [w // block_size + 2 for w in windows if w]  # a sliding group's blocks, at most
+        full = len(windows) - len(caps)
+        if not full:  # any length: the cache must hold one window per group
+            if sum(caps) > num_blocks:
+                raise ValueError(f"num_kv_blocks {num_blocks} cannot hold one sliding window ({max(windows)} "
+                                 f"tokens): at least {sum(caps)} blocks of {block_size}; raise num_kv_blocks "
+                                 f"or kv_cache_memory")
+            return model_len
+
+        def held(n: int) -> int:  # blocks a sequence of n blocks holds in all
+            return full * n + sum(min(n, c) for c in caps)
+        n = (num_blocks - sum(caps)) // full
+        if n < max(caps, default=0):  # shorter than a window: its sliding groups hold no more than a full one
+            n = max(m for m in range(max(caps) + 1) if held(m) <= num_blocks)
+        return n * block_size
 
     def _num_blocks_from_budget(self, config: EngineConfig, per_block: int) -> int:
         memory, cuda = config.kv_cache_memory, self.device.type == "cuda"
@@ -172,9 +189,9 @@ class EngineCore:
     def _build_kv_cache(self) -> None:
         """On every rank: the attention backend, the KV cache, quantized weights."""
         t0 = time.monotonic()
-        self.runner.init_cache(self.config)  # first: this rank's errors are the ones to raise
+        self.runner.init_cache(self.config, self.kv_groups)  # first: this rank's errors are the ones to raise
         if self.workers is not None:
-            self.workers.call("init_cache", self.config)
+            self.workers.call("init_cache", self.config, self.kv_groups)
         if self.draft_runner is not None:  # the same blocks: the target's block tables serve both
             self.draft_runner.init_cache(dataclasses.replace(self.config, model=self.draft_path, lora_modules=(),
                                                              allow_lora_loading=False))
@@ -195,7 +212,8 @@ class EngineCore:
 
     def _build_scheduler(self) -> None:
         c = self.config
-        self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching, self.kv_window)
+        self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching,
+                                          tuple(g.window for g in self.kv_groups))
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.structured, c.max_queue_wait_s, self.adapters and self.adapters.slots,
                                    long_rope_from=(self.runner.long_rope or (None,))[0])
@@ -428,9 +446,12 @@ class EngineCore:
         """Each part's statistics, by name: a new one is counted in its part, named in EngineStats, and
         exported (server/metrics.py)."""
         now, spec = time.monotonic(), self.speculator
+        blocks = dict(vars(self.block_manager.stats()))
+        used = blocks.pop("num_used_blocks_by_group")
+        groups = tuple(KVGroupStats(g.window, len(g.layers), n) for g, n in zip(self.kv_groups, used))
         return EngineStats(num_waiting=self.num_waiting, uptime_s=now - self.started,
                            adapter_requests=dict(self.adapters.requests) if self.adapters else {},
-                           **vars(self.block_manager.stats()), **scheduler_stats(self.scheduler, now),
+                           kv_groups=groups, **blocks, **scheduler_stats(self.scheduler, now),
                            **(spec.stats() if spec else {}))
 
     def model_info(self) -> ModelInfo:

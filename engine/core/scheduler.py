@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from pagoda.engine.core.block_manager import BlockManager
+from pagoda.engine.core.block_manager import BlockManager, Hits
 from pagoda.engine.core.sequence import Sequence, SequenceStatus
 from pagoda.engine.outputs import FinishReason
 
@@ -163,7 +163,7 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             if seq.needs_every_prompt_row:  # no cached prefix: its rows are not computed
-                hits = []
+                hits = Hits()
             else:
                 hits = self.block_manager.match_prefix(seq)
                 if self.block_manager.prefix_in_flight(seq, hits):

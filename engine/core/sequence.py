@@ -22,8 +22,9 @@ NULL_BLOCK = -1  # a block table entry given back: out of every layer's sliding 
 
 
 class BlockTable(list):
-    """A sequence's logical-to-physical block map: entry i is the physical block holding its
-    tokens i * block_size .. (i + 1) * block_size - 1."""
+    """A sequence's logical-to-physical block map (of one KV group): entry i is the physical block holding
+    its tokens i * block_size .. (i + 1) * block_size - 1."""
+    num_released = 0  # leading entries given back, out of the group's sliding window (NULL_BLOCK)
 
     def slot(self, position: int, block_size: int) -> int:
         """The KV cache slot of the token at `position`."""
@@ -76,10 +77,9 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.draft_computed = 0  # speculative decoding: tokens whose KV is in a draft model's cache
         self.num_cached_tokens = 0  # prompt tokens reused from the prefix cache
-        self.block_table = BlockTable()
+        self.block_tables = [BlockTable()]  # one per KV group (engine/core/block_manager.py), all as long
         self.block_hashes: list[int] = []  # chained content hashes of full blocks of token_ids (a memo)
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
-        self.num_released_blocks = 0  # leading blocks given back, out of the sliding window (NULL_BLOCK)
         self.long_rope = False  # LongRoPE: rotated by the long factors, its length past the model's long_from
         self.logprobs: list = []
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1, 2, ... (the first has no context)
@@ -100,6 +100,11 @@ class Sequence:
         self.pooling = pooling
         self.pool_state = None  # what its prompt's rows so far pool to (engine/layers/pooler.py), on the device
         self.embedding = None  # the pooled vector, float32 numpy, once its prompt has run
+
+    @property
+    def block_table(self) -> BlockTable:
+        """The first KV group's table (the only one, but for models mixing sliding and full layers)."""
+        return self.block_tables[0]
 
     @property
     def num_tokens(self) -> int:

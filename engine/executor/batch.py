@@ -12,29 +12,32 @@ from pagoda.engine.core.sequence import Sequence
 from pagoda.engine.layers.pooler import PoolRows
 
 
-def gather(sched: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def gather(sched: SchedulerOutput, num_groups: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The one pass over the step's sequences (numpy does the rest): the new tokens' ids, flat;
-    each seq's first new position; block tables [num_seqs, widest], padded with -1."""
-    starts, ids, tables = [], [], []
+    each seq's first new position; every KV group's block tables [num_groups, num_seqs, widest], padded
+    with -1 (a sequence's tables are equally long)."""
+    starts, ids, tables = [], [], [[] for _ in range(num_groups)]
     for i, (s, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
         a = s.num_computed_tokens
         starts.append(a)
         ids += s.token_ids[a:a + n]
         if sched.spec_tokens:
             ids += sched.spec_tokens[i]  # proposals follow the last token (speculative decoding)
-        tables.append(s.block_table)
-    return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), block_tables(tables)
+        for group, table in zip(tables, s.block_tables):
+            group.append(table)
+    return np.array(ids, dtype=np.int64), np.array(starts, dtype=np.int64), np.stack([block_tables(t) for t in tables])
 
 
 def positions_and_slots(starts: np.ndarray, counts: np.ndarray, tables: np.ndarray, bs: int):
-    """Each sequence's query positions [start, start + count), flattened, and their KV slots."""
+    """Each sequence's query positions [start, start + count), flattened, and their KV slots
+    (tables [num_seqs, widest] -> slots [num_tokens]; [num_groups, num_seqs, widest] -> [num_groups, num_tokens])."""
     if len(counts) == int(counts.sum()):  # one token per sequence
         seq_of_token, positions = np.arange(len(counts)), starts
     else:
         seq_of_token = np.repeat(np.arange(len(counts)), counts)
         offsets = np.cumsum(counts) - counts
         positions = starts[seq_of_token] + np.arange(int(counts.sum())) - offsets[seq_of_token]
-    slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    slots = tables[..., seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
     return positions, slots
 
 

@@ -23,6 +23,7 @@ from pagoda.engine.models import build_model
 from pagoda.engine.models.llama import LlamaDecoderLayer, fuse_decoder_layer
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.pooling import pooler_config, resolve_runner
+from pagoda.engine.core.block_manager import KVGroup
 from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.core.sequence import Sequence
 from pagoda.engine.spec_decode.acceptance import accepted_tokens, proposal_rows
@@ -63,16 +64,20 @@ class ModelRunner:
         self.structured = structured  # StructuredOutputManager: the bitmasks of constrained rows
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
         self.kv_cache: torch.Tensor | None = None  # set by init_cache
+        self.num_kv_groups = 1  # block tables per sequence (engine/core/block_manager.py kv_groups), set with it
         self.lora: LoRAModel | None = None  # LoRA adapters' slots (set by init_cache when enabled)
         self._lora_step = None  # the step's (active slots, per-row index) for the other ranks
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
+    def kv_bytes_per_block(self, block_size: int, groups: tuple[KVGroup, ...] = ()) -> int:
+        """A block of the pool: block_size tokens of a KV group's layers (without groups: of every layer)."""
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        per_token = 2 * sum(m.num_kv_heads * m.head_dim for m in layers)
+        n = max(len(g.layers) for g in groups) if groups else len(layers)
+        per_token = 2 * n * layers[0].num_kv_heads * layers[0].head_dim
         return per_token * block_size * torch.empty((), dtype=self.dtype).element_size()
 
-    def init_cache(self, config: EngineConfig) -> None:
-        """With the resolved config: the attention backend, the sampler, the KV cache, quantization."""
+    def init_cache(self, config: EngineConfig, groups: tuple[KVGroup, ...] = ()) -> None:
+        """With the resolved config: the attention backend, the sampler, the KV cache (one block table per KV
+        group; without groups, all layers in one, as a draft model's share the target's first), quantization."""
         model, device, dtype = self.model, self.device, self.dtype
         self.block_size = config.block_size
         head_dim = next(m.head_dim for m in model.modules() if hasattr(m, "head_dim"))
@@ -82,7 +87,7 @@ class ModelRunner:
         self.pads_decodes = backend is None  # the torch path pads decode rows to a group's longest
         fused = getattr(backend, "fused_ops", None)
         self.sampler = Sampler(config.seed, device, argmax=fused.argmax if fused is not None else None)
-        self._allocate_kv_cache(config.num_kv_blocks, backend)
+        self._allocate_kv_cache(config.num_kv_blocks, backend, groups)
         quantize_model_(model, config.quantization, parallel.Linear)
         if config.enable_lora:
             self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device, self.checkpoint_path)
@@ -118,14 +123,16 @@ class ModelRunner:
     def attention_backend_name(self) -> str:
         return getattr(self.attention_backend, "__name__", "torch SDPA").rsplit(".", 1)[-1]
 
-    def _allocate_kv_cache(self, num_blocks: int, backend) -> None:
+    def _allocate_kv_cache(self, num_blocks: int, backend, groups: tuple[KVGroup, ...]) -> None:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        groups = groups or (KVGroup(0, tuple(range(len(layers)))),)
+        self.num_kv_groups = len(groups)
         kvh, hd = layers[0].num_kv_heads, layers[0].head_dim
-        # kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, kvh, hd, dtype=self.dtype,
-                                    device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        # kv_cache: [2, layers per group, num_blocks, block_size, num_kv_heads, head_dim]; a block is a group's
+        self.kv_cache = torch.zeros(2, max(len(g.layers) for g in groups), num_blocks, self.block_size, kvh, hd,
+                                    dtype=self.dtype, device=self.device)
+        for g, j, layer in ((g, j, layers[i]) for g, group in enumerate(groups) for j, i in enumerate(group.layers)):
+            layer.k_cache, layer.v_cache, layer.kv_group = self.kv_cache[0, j], self.kv_cache[1, j], g
             if backend is not None:
                 layer.backend = backend
                 views = getattr(backend, "cache_views", None)  # a backend's own block layout
@@ -134,6 +141,10 @@ class ModelRunner:
 
     def use_cuda_graphs(self, max_batch: int, max_model_len: int) -> bool:
         """Capture decode graphs (CUDA); False, with a warning, if they could not be used."""
+        if self.num_kv_groups > 1:
+            log.info("CUDA graphs off: they hold one block table, and this model's layers read %d",
+                     self.num_kv_groups)
+            return False
         max_blocks = -(-max_model_len // self.block_size)
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.block_size, self.device)
         if not capture_checked(self.decode_graphs, self._eager_logits):
@@ -156,6 +167,10 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             prefill_context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             max_query_len=n, max_context_len=n)
+        if self.num_kv_groups > 1:  # every group writes the same scratch blocks
+            g = self.num_kv_groups
+            meta.group_slot_mapping, meta.group_decode_block_tables, meta.group_prefill_block_tables = (
+                t.expand(g, *t.shape) for t in (meta.slot_mapping, meta.decode_block_tables, blocks))
         self._eager_logits(ids, pos, meta, pos[-1:])
 
     def _eager_logits(self, input_ids, positions, meta, logits_idx=None):
@@ -306,7 +321,7 @@ class ModelRunner:
         """The step's flat batch on the device: input_ids, positions [num_tokens], attention
         metadata, and the rows whose logits are sampled (None: every row)."""
         seqs, bs = sched.seqs, self.block_size
-        input_ids, starts, tables = gather(sched)
+        input_ids, starts, tables = gather(sched, self.num_kv_groups)  # tables: [num_groups, num_seqs, widest]
         counts = np.array(sched.num_new_tokens, dtype=np.int64)
         num_sampled = np.array(sched.num_sampled, dtype=np.int64)
         ends = starts + counts
@@ -332,14 +347,20 @@ class ModelRunner:
         return positions + offset * np.repeat(np.array([s.long_rope for s in seqs], dtype=np.int64), counts)
 
     def _attention_metadata(self, slots, tables, counts, ends, num_decodes: int) -> AttentionMetadata:
+        # slots [num_tokens], tables [num_seqs, widest]; or per KV group: [num_groups, ...] both
         t, lens = self._to_device, ends.astype(np.int32)
         cu = np.concatenate([[0], np.cumsum(counts[num_decodes:])]).astype(np.int32)
+        grouped = tables.ndim == 3 and len(tables) > 1
+        first_slots, first = (slots[0], tables[0]) if tables.ndim == 3 else (slots, tables)
         return AttentionMetadata(
-            slot_mapping=t(slots, torch.int64),
+            slot_mapping=t(first_slots, torch.int64),
             num_decode_tokens=num_decodes,
-            decode_block_tables=t(tables[:num_decodes], torch.int32),
+            decode_block_tables=t(first[:num_decodes], torch.int32),
             decode_context_lens=t(lens[:num_decodes], torch.int32),
-            prefill_block_tables=t(tables[num_decodes:], torch.int32),
+            prefill_block_tables=t(first[num_decodes:], torch.int32),
+            group_slot_mapping=t(slots, torch.int64) if grouped else None,
+            group_decode_block_tables=t(tables[:, :num_decodes], torch.int32) if grouped else None,
+            group_prefill_block_tables=t(tables[:, num_decodes:], torch.int32) if grouped else None,
             prefill_query_start_loc=t(cu, torch.int32),
             prefill_context_lens=t(lens[num_decodes:], torch.int32),
             max_query_len=int(counts.max()),

@@ -5,6 +5,7 @@ chunks). Each sequence's new tokens are the last ones of its context, and their 
 written into the cache before attention reads it back. A layer's Variant adds a sliding window,
 soft-capped scores or sinks; every backend takes one.
 """
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -50,6 +51,17 @@ class AttentionMetadata:
     # (start, end, num_blocks): runs of decode sequences of similar length (sorted longest first),
     # so the torch path pads each run to its own longest context rather than the batch's
     decode_groups: tuple[tuple[int, int, int], ...] = ()
+    # Models mixing sliding and full layers: every KV group's slots and tables (engine/core/block_manager.py
+    # kv_groups; the fields above are the first group's); None with a single group
+    group_slot_mapping: torch.Tensor | None = None  # [num_groups, num_tokens]
+    group_decode_block_tables: torch.Tensor | None = None  # [num_groups, num_decodes, max_blocks]
+    group_prefill_block_tables: torch.Tensor | None = None  # [num_groups, num_prefills, max_blocks]
+
+    def of_group(self, group: int) -> "AttentionMetadata":
+        """The step as the layers of KV group `group` see it: their slots and block tables."""
+        return dataclasses.replace(self, slot_mapping=self.group_slot_mapping[group],
+                                   decode_block_tables=self.group_decode_block_tables[group],
+                                   prefill_block_tables=self.group_prefill_block_tables[group])
 
 
 def flash_packs_without_avx512(capability: str, cpu_flags, dtype: torch.dtype) -> bool:
@@ -179,11 +191,14 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.variant = variant
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+        self.kv_group = 0  # the KV group whose block tables map its cache (set with the cache)
         self.backend = TORCH_BACKEND
 
     def forward(self, q, k, v, meta: AttentionMetadata):
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         b = self.backend
+        if self.kv_group:
+            meta = meta.of_group(self.kv_group)
         b.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         groups = meta.decode_groups if b is TORCH_BACKEND and meta.decode_groups else ((0, nd, None),)

@@ -34,8 +34,12 @@ def build_model(hf_config):
     return MODELS[architecture_of(hf_config)](hf_config)
 
 
-def kv_window(*hf_configs) -> int:
-    """The sliding window every attention layer of these models keeps to (a token older than it is never read
-    again), or 0 where some layer attends to the whole context."""
-    windows = [w for cfg in hf_configs for w in layer_windows(cfg)]
-    return 0 if 0 in windows else max(windows)
+def kv_windows(hf_config, *drafts) -> list[int]:
+    """Each attention layer's window as the KV cache keeps it (engine/core/block_manager.py kv_groups): its
+    sliding window, or 0 for the whole context. A draft model reads the first group's blocks (the narrowest
+    window's), so where a draft sees further back than that, every layer keeps the whole context."""
+    windows = layer_windows(hf_config)
+    draft = [w for cfg in drafts for w in layer_windows(cfg)]
+    if draft and min(windows) and (0 in draft or max(draft) > min(windows)):
+        return [0] * len(windows)
+    return windows

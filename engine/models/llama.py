@@ -187,6 +187,8 @@ class FusedDecoderLayer:
 
     def __call__(self, rope, x, residual, meta: AttentionMetadata):
         a = self.attn
+        if a.kv_group:
+            meta = meta.of_group(a.kv_group)
         return self.ops.decoder_layer(
             x, residual, self.weights, self.sizes, self.eps, a.scale, rope.positions, rope.cos, rope.sin,
             a.k_cache, a.v_cache, meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,

@@ -1,6 +1,7 @@
 """The families beyond Llama's through every door: offline, gRPC and HTTP give transformers' own greedy
 float32 tokens for a non-ASCII prompt (Gemma and Phi-3 with a SentencePiece tokenizer, as they ship; the
 others with a byte-level BPE one), and the same text on each door."""
+import httpx
 import pytest
 
 from conftest import FAMILIES
@@ -35,7 +36,12 @@ def test_every_door_gives_transformers_tokens(family, tmp_path):
         with Client(srv.target, timeout=60) as c:
             unary = c.generate(PROMPT, temperature=0, max_tokens=MAX_NEW)
             assert list(unary.token_ids) == want and unary.text == offline.text
+            groups = [(g.window, g.num_layers, g.blocks_used) for g in c.stats().kv_groups]
         http = openai_client(srv).completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
         assert http.choices[0].text == offline.text
+        # the KV figures per group of layers (a sliding and a full one for Gemma), on both doors
+        assert groups == ([(0, 1, 0), (16, 1, 0)] if family.startswith("gemma") else
+                          [(FAMILIES[family].get("sliding_window", 0), 2, 0)])
+        assert [tuple(g.values()) for g in httpx.get(srv.http_url + "/stats").json()["kv_groups"]] == groups
     finally:
         srv.stop()

@@ -1,9 +1,9 @@
 """BlockManager over integers: exact block ids, ref counts, the prefix cache's eviction order."""
 import pytest
 
-from pagoda.engine.core.block_manager import BlockManager
+from pagoda.engine.core.block_manager import BlockManager, KVGroup, kv_groups
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.core.sequence import Sequence
+from pagoda.engine.core.sequence import BlockTable, Sequence
 
 
 def seq(name, n_prompt, max_tokens=8, priority=0):
@@ -46,7 +46,7 @@ def test_double_free_is_caught():
     bm.allocate(a, 3)
     table = list(a.block_table)
     bm.free(a)
-    a.block_table = table
+    a.block_tables = [BlockTable(table)]
     with pytest.raises(AssertionError):
         bm.free(a)
 
@@ -71,9 +71,9 @@ def test_prefix_hits_share_blocks_with_ref_counts():
     a = toks("a", range(10))  # blocks: [0..3] [4..7] [8, 9]
     assert _prefill(bm, a) == [] and a.block_table == [0, 1, 2]
     b = toks("b", list(range(8)) + [50, 51, 52])  # shares two full blocks
-    assert bm.match_prefix(b) == [0, 1]
-    assert bm.can_allocate(b, 11, [0, 1])
-    bm.allocate(b, 11, [0, 1])
+    hits = bm.match_prefix(b)
+    assert hits == [0, 1] and bm.can_allocate(b, 11, hits)
+    bm.allocate(b, 11, hits)
     assert b.block_table == [0, 1, 3]
     assert [bm.blocks[i].ref_count for i in range(4)] == [2, 2, 1, 1]
     c = toks("c", list(range(4)) + [99] * 5)  # shares the first block only
@@ -121,7 +121,7 @@ def test_reusing_a_cached_free_block_takes_it_off_the_free_list():
 # ---- a sliding window: blocks no later query reads are given back ----
 
 def test_a_window_gives_back_the_blocks_behind_it_exact_ids():
-    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False, window=6)
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False, windows=(6,))
     a = seq("a", 10)
     bm.allocate(a, 10)
     assert a.block_table == [0, 1, 2]
@@ -138,11 +138,11 @@ def test_a_window_gives_back_the_blocks_behind_it_exact_ids():
     assert (s.num_used_blocks, s.num_wasted_slots) == (3, 3 * 4 - (17 - 8))
     bm.free(a)  # the given-back entries are not freed again
     assert bm.num_free_blocks == 6 and all(blk.ref_count == 0 for blk in bm.blocks)
-    assert a.num_released_blocks == 0
+    assert a.block_table.num_released == 0
 
 
 def test_a_window_fits_a_prompt_longer_than_the_cache_in_chunks():
-    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False, window=5)
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False, windows=(5,))
     a = seq("a", 40)
     assert bm.num_fitting(a, 0, 40) == 16  # four blocks from position 0
     bm.allocate(a, 16)
@@ -156,7 +156,7 @@ def test_a_window_fits_a_prompt_longer_than_the_cache_in_chunks():
 
 
 def test_a_window_keeps_a_given_back_block_cached_for_a_prefix_hit():
-    bm = BlockManager(num_blocks=8, block_size=4, window=5)
+    bm = BlockManager(num_blocks=8, block_size=4, windows=(5,))
     a = seq("a", 12)
     bm.allocate(a, 12)
     a.num_computed_tokens = 12
@@ -164,4 +164,57 @@ def test_a_window_keeps_a_given_back_block_cached_for_a_prefix_hit():
     bm.append(a, 13)
     assert a.block_table[:2] == [-1, -1] and bm.stats().num_cached_blocks == 2
     b = Sequence("b", list(a.token_ids), SamplingParams(max_tokens=8))
-    assert bm.match_prefix(b) == [0, 1]  # the first two blocks, whole in the cache, third held by a
+    # the first two blocks are cached whole (the third is held by a); the query at 8 reads keys 4.. only
+    assert bm.match_prefix(b) == [-1, 1]
+
+
+# ---- KV groups: a model mixing sliding and full layers holds a table per group, from one pool ----
+
+def test_layers_are_grouped_by_window_in_groups_as_large_as_the_rarest():
+    gemma3 = [16] * 5 + [0] + [16] * 5 + [0]  # five sliding layers to one full, twice
+    assert kv_groups(gemma3) == (KVGroup(0, (5, 11)), KVGroup(16, (0, 1)), KVGroup(16, (2, 3)), KVGroup(16, (4, 6)),
+                                 KVGroup(16, (7, 8)), KVGroup(16, (9, 10)))
+    assert kv_groups([0] * 4) == (KVGroup(0, (0, 1, 2, 3)),)
+    assert kv_groups([8, 0, 8]) == (KVGroup(0, (1,)), KVGroup(8, (0,)), KVGroup(8, (2,)))
+
+
+def test_a_sliding_group_gives_back_its_past_while_the_full_group_keeps_the_context_exact_ids():
+    bm = BlockManager(num_blocks=12, block_size=4, windows=(0, 5))
+    a = seq("a", 10)
+    bm.allocate(a, 10)
+    assert a.block_tables == [[0, 1, 2], [3, 4, 5]]
+    a.num_computed_tokens = 10  # the next query, at 10, reads keys 6..10: the sliding group's block 0 goes back
+    bm.append(a, 11)
+    assert a.block_tables == [[0, 1, 2], [-1, 4, 5]] and list(bm.free_block_ids) == [6, 7, 8, 9, 10, 11, 3]
+    a.num_computed_tokens = 12
+    bm.append(a, 13)  # a block more in each group, the sliding group's block 1 back
+    assert a.block_tables == [[0, 1, 2, 6], [-1, -1, 5, 7]]
+    s = bm.stats()
+    assert (s.num_used_blocks, s.num_used_blocks_by_group) == (6, (4, 2))
+    assert s.num_wasted_slots == 6 * 4 - (13 + 13 - 8)
+    assert not bm.can_append(a, 4 * 7 + 1)  # 4 more blocks in each group: 8, 6 free and 2 to give back
+    assert bm.can_append(a, 4 * 6 + 1)
+    bm.free(a)
+    assert bm.num_free_blocks == 12 and bm.stats().num_used_blocks_by_group == (0, 0)
+
+
+def test_a_prefix_hit_needs_what_every_group_still_reads():
+    bm = BlockManager(num_blocks=12, block_size=4, windows=(0, 5))
+    a = seq("a", 12)
+    bm.allocate(a, 12)
+    a.num_computed_tokens = 12
+    bm.append(a, 13)
+    assert a.block_tables == [[0, 1, 2, 6], [-1, -1, 5, 7]]
+    bm.register_full_blocks(a)  # blocks 0-2: the full group's all, the sliding group's block 2 (0 and 1 went back)
+    b = Sequence("b", a.token_ids[:12] + [7], SamplingParams(max_tokens=4))
+    hits = bm.match_prefix(b)  # a query at 12 reads keys 8..: the sliding group needs its block 2 only
+    assert hits == [0, 1, 2] and hits.by_group == ([0, 1, 2], [-1, -1, 5])
+    c = Sequence("c", a.token_ids[:8] + [7], SamplingParams(max_tokens=4))
+    assert bm.match_prefix(c) == []  # a query at 8 reads keys 4..: the sliding group's block 1 is gone
+    assert bm.can_allocate(b, 13, hits)
+    bm.allocate(b, 13, hits)
+    assert b.block_tables == [[0, 1, 2, 8], [-1, -1, 5, 9]] and b.block_tables[1].num_released == 2
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2, 5)] == [2, 2, 2, 2]
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 12 and all(blk.ref_count == 0 for blk in bm.blocks)

@@ -15,7 +15,7 @@ def runner(checkpoint):
 
 def _seq(name: str, num_tokens: int, num_computed: int, blocks: list[int]) -> Sequence:
     s = Sequence(name, [100 + i for i in range(num_tokens)], SamplingParams(max_tokens=8))
-    s.num_computed_tokens, s.block_table = num_computed, BlockTable(blocks)
+    s.num_computed_tokens, s.block_tables = num_computed, [BlockTable(blocks)]
     return s
 
 

@@ -526,7 +526,7 @@ def test_decoder_layer_op_is_bitwise_the_layer_op_by_op(checkpoint, family, opti
 
     def seq(num_tokens, num_computed, blocks):
         s = Sequence(str(blocks), list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=8))
-        s.num_computed_tokens, s.block_table = num_computed, BlockTable(blocks)
+        s.num_computed_tokens, s.block_tables = num_computed, [BlockTable(blocks)]
         return s
 
     batch = SchedulerOutput([seq(6, 5, [3, 7]), seq(3, 2, [9]), seq(10, 4, [1, 2, 5]), seq(8, 5, [4, 6])],
