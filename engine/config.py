@@ -89,6 +89,61 @@ class SpeculativeConfig:
         return json.dumps(asdict(self))
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV-cache events (engine/core/kv_events.py), vLLM's KVEventsConfig: its JSON keys, defaults and meaning.
+    EngineConfig.kv_events_config also takes it as a dict or a JSON string."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: zmq when enabled, else null
+    endpoint: str = "tcp://*:5557"  # the PUB socket: bound with a * / :: / ipc:// / inproc://, else connected
+    replay_endpoint: str | None = None  # a ROUTER socket (bound) answering requests for missed batches
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark: past it, a slow subscriber's messages are dropped
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread; past it, dropped
+    topic: str = ""
+
+    def __post_init__(self):
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config: enable_kv_cache_events must be true or false, got "
+                             f"{self.enable_kv_cache_events!r}")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config: publisher must be \"zmq\" or \"null\", got {self.publisher!r}")
+        for name in ("endpoint", "topic") + (("replay_endpoint",) if self.replay_endpoint is not None else ()):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"kv_events_config: {name} must be a string, got {getattr(self, name)!r}")
+        for name in ("endpoint",) + (("replay_endpoint",) if self.replay_endpoint is not None else ()):
+            if not getattr(self, name).startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events_config: {name} must be a ZMQ address (tcp://HOST:PORT, ipc://PATH), "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"kv_events_config: {name} must be a positive integer, got {getattr(self, name)!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value) -> "KVEventsConfig | None":
+        """From a KVEventsConfig, a dict, a JSON string, or None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(sorted(unknown))}; known: "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        return cls(**value)
+
+
 # `pagoda serve` flag parsers (server/main.py builds the flags from the fields' metadata below); an
 # ArgumentTypeError is argparse's one-line error naming the flag.
 def _seconds(text: str) -> float:
@@ -188,6 +243,14 @@ def _speculative_config(text: str) -> SpeculativeConfig | None:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _kv_events_config(text: str) -> KVEventsConfig | None:
+    """--kv-events-config's JSON, checked while the flags are parsed."""
+    try:
+        return KVEventsConfig.parse(text) if text.strip() else None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _pooling(text: str) -> str:
     """--pooling, checked while the flags are parsed."""
     try:
@@ -282,6 +345,13 @@ class EngineConfig:
             "speculative decoding, as JSON in vLLM's terms, e.g. '{\"method\": \"ngram\", "
             "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}', or a draft model with the same "
             "tokenizer: '{\"model\": \"PATH\", \"num_speculative_tokens\": 4}' (default: off)")})
+    # KV-cache events for a KV-aware router (engine/core/kv_events.py); None: off (also a dict or JSON)
+    kv_events_config: KVEventsConfig | None = field(default=None, metadata={
+        "type": _kv_events_config, "metavar": "JSON", "help": (
+            "publish KV-cache events (blocks stored and removed) over ZMQ for a KV-aware router (llm-d, Dynamo), "
+            "as JSON in vLLM's terms, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+            "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
+            "(default: off)")})
     deterministic: bool = field(default=False, metadata={"nargs": "?", "const": "on", "help": (
         "bitwise the same tokens and logprobs for a request whatever else the server is doing (CPU; see the "
         "README's Reproducibility; default: off)")})
@@ -356,6 +426,7 @@ class EngineConfig:
         if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         self._check_lora()
         if self.speculative_config is not None and self.speculative_config.model and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config: a draft model is not supported with tensor_parallel_size > 1 "

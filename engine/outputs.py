@@ -142,6 +142,9 @@ class EngineStats:
     num_pooling_requests: int = 0  # pooling requests (embeddings) that got their vector
     num_pooling_tokens: int = 0  # their prompt tokens
     kv_groups: tuple[KVGroupStats, ...] = ()  # the KV cache's groups of layers, each with its block tables
+    max_loras: int = 0  # LoRA adapters resident at once (0: LoRA off)
+    running_adapters: tuple[str, ...] = ()  # the LoRA adapters of the running sequences, sorted
+    waiting_adapters: tuple[str, ...] = ()  # the LoRA adapters of the waiting sequences, sorted
 
     def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
         """How long `num_seqs` more sequences (holding `num_tokens` more tokens) would wait before all

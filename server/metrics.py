@@ -10,7 +10,8 @@ the engine reports, of the phases a trace shows (server/tracing.py): queue time,
 time, time per output token; tokens in/out per finished request.
 From the engine, read at scrape time (EngineCollector): KV blocks used/free/total, running and
 waiting requests, preemptions, prompt tokens processed, tokens generated; speculative decoding's
-proposed and accepted tokens and mean accepted length.
+proposed and accepted tokens and mean accepted length. With --metrics-compat vllm (the default), also
+the vLLM-named gauges the Gateway API Inference Extension's endpoint picker reads (VllmCollector).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagoda.engine.core.block_hash import PREFIX_HASH_ALGO
 
 request_log = logging.getLogger("pagoda.requests")
 
@@ -70,6 +73,44 @@ class EngineCollector:
             yield family
 
 
+class VllmCollector:
+    """The Gateway API Inference Extension's model-server protocol (docs/serving.md): the gauges its endpoint
+    picker reads, under vLLM's names and labels, read from engine.stats() when Prometheus scrapes."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        engine = self.state.engine
+        if engine is None:
+            return
+        s, info, config = engine.stats(), engine.model_info, engine.config
+        labels = {"model_name": self.state.served_model_names()[0], "engine": "0"}
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 s.num_used_blocks / s.num_total_blocks if s.num_total_blocks else 0.0)):
+            family = GaugeMetricFamily(name, doc, labels=list(labels))
+            family.add_metric(list(labels.values()), value)
+            yield family
+        windows = [g.window for g in s.kv_groups if g.window]
+        cache = {"block_size": info.block_size, "num_gpu_blocks": info.num_kv_blocks, "num_cpu_blocks": None,
+                 "cache_dtype": info.dtype, "enable_prefix_caching": config.enable_prefix_caching,
+                 "prefix_caching_hash_algo": PREFIX_HASH_ALGO, "gpu_memory_utilization": config.gpu_memory_utilization,
+                 "sliding_window": max(windows) if windows else None, "engine": "0"}
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=list(cache))
+        family.add_metric([str(v) for v in cache.values()], 1.0)
+        yield family
+        if s.max_loras:  # as vLLM: only with LoRA on; the value is when it was read (the picker takes the latest)
+            family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                       labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            family.add_metric([str(s.max_loras), ",".join(s.waiting_adapters), ",".join(s.running_adapters)],
+                              time.time())
+            yield family
+
+
 class Metrics:
     def __init__(self, state, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
@@ -98,6 +139,8 @@ class Metrics:
                                          registry=r)
         self.inflight = Gauge("pagoda_inflight_generations", "Generate/GenerateStream calls in flight", registry=r)
         r.register(EngineCollector(state))
+        if state.options.metrics_compat == "vllm":
+            r.register(VllmCollector(state))
         self.http_server = None
 
     def start_http(self, port: int, host: str) -> int:

@@ -29,6 +29,7 @@ DEFAULT_KEEPALIVE_MIN_PING_INTERVAL_S = 5.0
 # closing at the moment a client reuses the connection resets its request ("connection reset by
 # peer"), uvicorn's default of 5 s racing httpx's 5 s.
 DEFAULT_HTTP_KEEPALIVE_TIMEOUT_S = 75.0
+METRICS_COMPAT = ("vllm", "none")
 DEFAULT_HTTP_PORT = 8000  # where OpenAI-compatible clients and tools look first (vLLM's, SGLang's default too)
 
 
@@ -120,6 +121,11 @@ class ServerOptions:
         "serve Prometheus metrics on http://HOST:PORT/metrics; 0: off (default: 0)")})
     metrics_host: str = field(default="0.0.0.0", metadata={"group": "observability", "help": (
         "address of the metrics endpoint (default: 0.0.0.0)")})
+    # vllm: also the vLLM-named gauges the Gateway API Inference Extension's endpoint picker reads (server/metrics.py)
+    metrics_compat: str = field(default="vllm", metadata={"group": "observability", "choices": METRICS_COMPAT, "help": (
+        "vllm: beside pagoda_*, the vLLM-named metrics that the Gateway API Inference Extension / llm-d endpoint "
+        "picker reads (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, ...); none: pagoda_* only "
+        "(default: vllm)")})
     # chat tools: the call format (server/chat/tools.py FORMATS); None: the chat template's
     tool_call_parser: str | None = field(default=None, metadata={"choices": TOOL_CALL_PARSERS, "help": (
         "how the model writes tool calls: hermes (Qwen2.5/Qwen3, <tool_call>), llama3_json (Llama 3.1+) or "
@@ -164,6 +170,8 @@ class ServerOptions:
         # -1 (not a flag value: for tests and embedding) binds any free port
         if not isinstance(self.metrics_port, int) or not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port!r}")
+        if self.metrics_compat not in METRICS_COMPAT:
+            raise ValueError(f"metrics_compat must be one of {', '.join(METRICS_COMPAT)}, got {self.metrics_compat!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

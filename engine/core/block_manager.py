@@ -29,6 +29,7 @@ Pure Python over integers: no tensors here.
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagoda.engine.core.block_hash import block_hash, none_hash
 from pagoda.engine.core.sequence import NULL_BLOCK, BlockTable, Sequence
 
 
@@ -79,14 +80,11 @@ class Hits(list):
     by_group: tuple[list[int], ...] = ()
 
 
-def chain_hash(prev: int | None, tokens) -> int:
-    return hash((prev, tuple(tokens)))
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: tuple[int, ...] = (0,)):
+                 windows: tuple[int, ...] = (0,), hash_seed: str = ""):
         self.block_size = block_size
+        self.none_hash = none_hash(hash_seed)  # the parent of a sequence's first block (engine/core/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)  # per KV group: 0 full attention, else the sliding window it keeps
         self.num_groups = len(self.windows)
@@ -99,6 +97,7 @@ class BlockManager:
         self._num_released_slots = 0  # of those, in blocks given back (a sliding window's past)
         self._num_cached_free = 0  # free blocks that still hold a prefix
         self._num_used = [0] * self.num_groups  # blocks held, per group
+        self.events: list | None = None  # KV-cache events on: what is stored and evicted (engine/core/kv_events.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -114,7 +113,8 @@ class BlockManager:
         hs, bs = seq.block_hashes, self.block_size
         while len(hs) < num_blocks:
             i = len(hs)
-            hs.append(chain_hash(hs[-1] if hs else seq.hash_seed, seq.token_ids[i * bs:(i + 1) * bs]))
+            parent = hs[-1] if hs else self.none_hash
+            hs.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.hash_seed))
         return hs
 
     def match_prefix(self, seq: Sequence) -> Hits:
@@ -166,6 +166,9 @@ class BlockManager:
                 if h not in cached and block.hash is None:
                     block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs:(i + 1) * bs])
                     cached[h] = block.block_number
+                    if self.events is not None:
+                        self.events.append(("stored", block.group, h, hashes[i - 1] if i else None, block.token_ids,
+                                            seq.hash_seed, seq.adapter, seq.adapter_uid))
         seq.num_registered_blocks = n
 
     # ---- allocation ----
@@ -302,6 +305,8 @@ class BlockManager:
                 if block.hash is not None:  # evict its cached prefix
                     if self.cached[block.group].get(block.hash) == block_id:
                         del self.cached[block.group][block.hash]
+                        if self.events is not None:
+                            self.events.append(("removed", block.group, block.hash))
                     block.hash, block.token_ids = None, ()
                     self._num_cached_free -= 1
                 block.ref_count, block.group = 1, g

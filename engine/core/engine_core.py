@@ -2,12 +2,14 @@
 schedule -> run -> update from output -> report."""
 import dataclasses
 import logging
+import os
 import time
 
 import torch
 
 from pagoda.engine.executor import parallel
 from pagoda.engine.core.block_manager import BlockManager, kv_groups
+from pagoda.engine.core.kv_events import KVEventPublisher
 from pagoda.engine.config import CPU_KV_CACHE_GB, GPU_MEMORY_UTILIZATION, MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import AdapterNotFoundError, EngineDeadError
@@ -212,13 +214,19 @@ class EngineCore:
 
     def _build_scheduler(self) -> None:
         c = self.config
+        # the block hashes' seed, as vLLM's: PYTHONHASHSEED's text (a router reproduces the hashes with it)
+        seed = os.environ.get("PYTHONHASHSEED", "")
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching,
-                                          tuple(g.window for g in self.kv_groups))
+                                          tuple(g.window for g in self.kv_groups), seed)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.structured, c.max_queue_wait_s, self.adapters and self.adapters.slots,
                                    long_rope_from=(self.runner.long_rope or (None,))[0])
         spec = c.speculative_config
         self.speculator = Speculator(spec, c.max_model_len, self.draft_runner) if spec is not None else None
+        self.kv_events = None  # KV-cache events' publisher (engine/core/kv_events.py), when on
+        if c.kv_events_config is not None and c.kv_events_config.enabled:
+            self.kv_events = KVEventPublisher(c.kv_events_config, c.block_size, self.block_manager.windows)
+            self.block_manager.events = []
 
     # ---- LoRA adapters (engine/lora/registry.py) ----
 
@@ -352,6 +360,7 @@ class EngineCore:
         report."""
         result = self._run(sched, idle=not failed)
         changed = self._update_from_output(sched, result)
+        self._publish_kv_events()
         return self._report(failed + changed)
 
     def _propose(self, sched: SchedulerOutput) -> None:
@@ -365,6 +374,13 @@ class EngineCore:
                 self.speculator.fill(sched)
         except Exception:  # a draft model's run failed: proposals are only guesses, the step goes on
             log.exception("speculative proposals failed; this step verifies what it has")
+
+    def _publish_kv_events(self) -> None:
+        """The step's KV-cache events, handed to the publisher's thread (never waits)."""
+        events = self.block_manager.events
+        if events:
+            self.block_manager.events = []
+            self.kv_events.publish(events)
 
     def _admit_compiled(self) -> list[Sequence]:
         """Sequences whose grammar is built join the scheduler; those whose grammar failed finish."""
@@ -436,9 +452,12 @@ class EngineCore:
             self.workers.check()
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing else holds resources beyond this object)."""
+        """Stop the tensor-parallel ranks and the KV-cache events' publisher."""
         if self.workers is not None:
             self.workers.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     # ---- reporting ----
 
@@ -451,8 +470,17 @@ class EngineCore:
         groups = tuple(KVGroupStats(g.window, len(g.layers), n) for g, n in zip(self.kv_groups, used))
         return EngineStats(num_waiting=self.num_waiting, uptime_s=now - self.started,
                            adapter_requests=dict(self.adapters.requests) if self.adapters else {},
-                           kv_groups=groups, **blocks, **scheduler_stats(self.scheduler, now),
+                           kv_groups=groups, **blocks, **scheduler_stats(self.scheduler, now), **self._lora_stats(),
                            **(spec.stats() if spec else {}))
+
+    def _lora_stats(self) -> dict:
+        """The LoRA adapters in the batch and in the queue (vLLM's lora_requests_info)."""
+        if self.adapters is None:
+            return {}
+        def names(seqs) -> tuple[str, ...]:
+            return tuple(sorted({s.adapter for s in seqs if s.adapter is not None}))
+        return {"max_loras": self.config.max_loras, "running_adapters": names(self.scheduler.running),
+                "waiting_adapters": names(self.scheduler.waiting)}
 
     def model_info(self) -> ModelInfo:
         c = self.config

@@ -93,6 +93,7 @@ class Sequence:
         self.num_text_sent = 0  # characters of the text already in an output
         self.speculation = None  # engine/spec_decode/ SpecState, once speculative decoding looks at it
         self.adapter = adapter  # the LoRA adapter's name (engine/lora/adapters.py), or None: the base model
+        self.adapter_uid = adapter_uid  # its load number (vLLM's lora_int_id, in KV-cache events)
         self.lora_slot = -1  # its resident slot while running, else -1
         # the prefix cache's chain starts from the adapter: the same tokens under two adapters differ
         self.hash_seed = None if adapter is None else ("lora", adapter, adapter_uid)
