@@ -27,6 +27,18 @@ MODEL_CONFIGS = {
     "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                                    rope_theta=1e6, max_position_embeddings=32768)),
+    # Gemma-3-1B's text model: five sliding layers (window 512) to one full, a RoPE base per layer type, MQA
+    "gemma3-1b": ("gemma3", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                 num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                                 query_pre_attn_scalar=256, max_position_embeddings=32768, tie_word_embeddings=True,
+                                 layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + [
+                                     "sliding_attention"] * 2)),
+    # Phi-4-mini's: fused qkv / gate_up, 3/4 of each head rotated, LongRoPE; 8 of its 32 layers (2 cores, 24 GiB)
+    "phi4-mini-8l": ("phi3", dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=8,
+                                  num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
+                                  tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=131072,
+                                  original_max_position_embeddings=4096, rope_scaling=dict(
+                                      type="longrope", short_factor=[1.0] * 48, long_factor=[1.5] * 48))),
     "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5,
                                 max_position_embeddings=8192)),
