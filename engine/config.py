@@ -10,7 +10,7 @@ from pagoda.engine.pooling import RUNNERS, PoolerConfig
 from pagoda.engine.validation import is_int
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8",)  # weight-only int8 on CPU (engine/layers/quantization.py)
+QUANTIZATIONS = ("int8", "int4")  # weight-only on CPU (engine/layers/quantization.py)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 CPU_KV_CACHE_GB = 1.0  # the KV cache's default on CPU
@@ -282,7 +282,8 @@ class EngineConfig:
         "--deterministic on), else float32; on CUDA the checkpoint's bf16/fp16 (default: auto)")})
     quantization: str | None = field(default=None, metadata={"choices": ("none", *QUANTIZATIONS), "none": "none",
         "help": "int8: linear weights in int8 (weight-only, per-output-channel scales; CPU only: a quarter of "
-                "float32's bytes to read each step); none: weights in --dtype (default: none)"})
+                "float32's bytes to read each step); int4: in 4 bits (GGUF Q4_1 blocks of 32, a scale and a minimum "
+                "each: 5 bits a weight); none: weights in --dtype (default: none)"})
     device: str = field(default="auto", metadata={"choices": DEVICES, "help": "cpu, cuda or auto (default: auto)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block (default: 16)"})
     num_kv_blocks: int | None = field(default=None, metadata={  # explicit; else from the memory budget below

@@ -51,7 +51,7 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printab
     import transformers as tf
 
     if tokenizer is None:
-        unk = "<|endoftext|>" if arch in ("qwen2", "qwen3") else None
+        unk = "<|endoftext|>" if arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") else None
         tokenizer = build_byte_tokenizer(overrides.pop("vocab_size", None), unk_token=unk)
     vocab = len(tokenizer)
     common = dict(vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -68,6 +68,8 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printab
             "granite": (tf.GraniteConfig, tf.GraniteForCausalLM), "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
             "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM), "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
             "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+            "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
         }[arch]
         config = config_cls(**{**common, **small, **overrides})
     torch.manual_seed(seed)

@@ -8,6 +8,8 @@ import os
 import torch
 from safetensors import safe_open
 
+from pagoda.engine import gguf, int4
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")  # one is enough
@@ -18,8 +20,11 @@ CHECKPOINT_FILES = ("a checkpoint directory holds config.json, the tokenizer fil
 
 
 def resolve_model_path(model: str) -> str:
-    """A local checkpoint directory, or a hub id downloaded (safetensors only) once; ValueError
-    naming `model` and what is missing."""
+    """A local checkpoint directory, a hub id downloaded (safetensors only) once, or a GGUF file (engine/gguf.py
+    find_gguf: a file, a directory holding one, ollama:NAME); ValueError naming `model` and what is missing."""
+    found = gguf.find_gguf(model)  # a GGUF file, a directory holding one, ollama:NAME
+    if found is not None:
+        return found
     path = os.path.expanduser(model)
     if os.path.isdir(path):
         return check_checkpoint(model, path)
@@ -88,6 +93,8 @@ def load_hf_config(path: str):
     """The checkpoint's config; a multimodal one's (LANGUAGE_MODEL_OF) is its text model's."""
     from transformers import AutoConfig
 
+    if gguf.is_gguf(path):
+        return gguf.load_config(path)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:  # config.json that is not JSON, or has no model_type
@@ -105,7 +112,10 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        tokenizer = gguf.load_tokenizer(path) if gguf.is_gguf(path) else AutoTokenizer.from_pretrained(
+            path, trust_remote_code=False)
+    except ValueError:  # a GGUF's, naming the file
+        raise
     except Exception as e:  # noqa: BLE001 - no tokenizer files, a library it needs missing, ...
         raise ValueError(f"cannot load the tokenizer in {path} ({_one_line(e)}): {CHECKPOINT_FILES}") from e
     if chat_template is not None:
@@ -137,6 +147,10 @@ class _Progress:
 def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = ()) -> None:
     """The checkpoint's tensors into the model's parameters; only those named with an `optional` prefix may be
     missing."""
+    if gguf.is_gguf(path):
+        return gguf.load_weights(model, path, optional)
+    if (qc := int4.quantization_config(path)) is not None:  # GPTQ / AWQ: 4-bit blocks
+        return int4.load_weights(model, path, qc, optional)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         pickles = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
@@ -156,9 +170,12 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
                 if pname not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
                 owner = model.get_submodule(pname.rsplit(".", 1)[0])
-                tensor = _read(f, name, model, owner, pname, shard)
-                progress.tensor(tensor)
-                _copy(owner, pname, params[pname], shard, transform(pname, tensor))
+                if hasattr(owner, "load_weight"):  # a layer that places its own pieces (layers/moe.py Experts)
+                    progress.tensor(owner.load_weight(f.get_slice(name), pname, shard))
+                else:
+                    tensor = _read(f, name, model, owner, pname, shard)
+                    progress.tensor(tensor)
+                    _copy(owner, pname, params[pname], shard, transform(pname, tensor))
                 missing.discard(pname)
         progress.file(i, file)
     missing = {name for name in missing if not name.startswith(optional)} if optional else missing

@@ -39,6 +39,21 @@ FAMILIES = {
                    query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+    # mixtures of experts: 8 experts, top 2 (Qwen2-MoE: a shared expert beside them; Qwen3-MoE: a dense first layer)
+    "mixtral": dict(arch="mixtral", initializer_range=0.3, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=32),
+    "qwen2_moe": dict(arch="qwen2_moe", initializer_range=0.3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(arch="qwen3_moe", initializer_range=0.3, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0], head_dim=16),
+    # gpt-oss: sinks, a window of 16 beside a full layer, YaRN (factor 4 over 128 positions); a swiglu_limit the
+    # random activations reach
+    "gpt_oss": dict(arch="gpt_oss", initializer_range=0.3, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=32, head_dim=16, sliding_window=16, swiglu_limit=2.0,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 128,
+                                     "rope_theta": 150000.0}),
 }
 
 

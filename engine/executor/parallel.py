@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.engine.layers.quantization import int8_linear
+from pagoda.engine.layers.quantization import gguf_embedding, quantized_linear
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ def check_splits(cfg, size: int) -> None:
         split(heads, "the number of attention heads")
         kv_heads(getattr(cfg, "num_key_value_heads", None) or heads)
         split(inner, "intermediate_size")
+        for moe in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # mixtures of experts
+            if getattr(cfg, moe, None):
+                split(getattr(cfg, moe), moe)
     finally:
         use_group(None)
 
@@ -125,8 +128,8 @@ FEW_ROWS_PACKED = 8  # and for bfloat16 whatever the packing (not measured again
 
 class Linear(nn.Linear):
     """nn.Linear, or with weight-only int8 quantization (engine/layers/quantization.py) its int8
-    weight and per-output scales in place of the float weight; in deterministic mode its
-    engine/layers/deterministic.py BatchInvariantLinear."""
+    weight and per-output scales in place of the float weight (a GGUF or 4-bit checkpoint's: its blocks, a
+    GGUFWeight); in deterministic mode its engine/layers/deterministic.py BatchInvariantLinear."""
     qweight = scales = None
     batch_invariant = None
     packed = None  # engine/layers/deterministic.py PackedLinear: oneDNN over weights packed once (cpu_linear)
@@ -138,7 +141,7 @@ class Linear(nn.Linear):
         if self.batch_invariant is not None:
             y = self.batch_invariant(x)
         elif self.qweight is not None:
-            y = int8_linear(x, self)
+            y = quantized_linear(x, self)
         elif self.panels is not None and x.dim() == 2 and x.shape[0] <= self.panels.rows:
             y = self.panels(x)
         elif self.fused_ops is not None and self.weight is not None and x.dim() == 2 and x.shape[0] <= (
@@ -203,6 +206,7 @@ def _vocab_share(vocab_size: int) -> tuple[int, int, int]:
 
 class VocabParallelEmbedding(nn.Embedding):
     """The embedding's rows split by vocabulary; each rank looks up its own ids, zeros elsewhere, summed."""
+    qweight = None  # a GGUF checkpoint's blocks (engine/gguf.py GGUFWeight; one rank): rows dequantized as looked up
 
     def __init__(self, vocab_size: int, dim: int):
         per, self.vocab_start, held = _vocab_share(vocab_size)
@@ -211,6 +215,8 @@ class VocabParallelEmbedding(nn.Embedding):
         _mark(self, 0, {None: [(self.vocab_start, held)]})
 
     def forward(self, ids):
+        if self.qweight is not None:
+            return gguf_embedding(ids, self.qweight)
         if self.tp.size == 1:
             return super().forward(ids)
         local = ids - self.vocab_start

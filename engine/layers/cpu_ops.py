@@ -1,6 +1,7 @@
 """pagoda's C++ ops for CPU (csrc/): paged attention and its cache write, fused RMSNorm (with
 the residual add before it), SiLU-and-mul and rotary embedding, the greedy argmax, float32 linear
-layers for a few rows (csrc/linear_cpu.cpp) and LoRA adapters' per-row updates (csrc/lora_cpu.cpp).
+layers for a few rows (csrc/linear_cpu.cpp), LoRA adapters' per-row updates (csrc/lora_cpu.cpp),
+mixture-of-experts layers' experts (csrc/moe_cpu.cpp) and linear layers over GGUF blocks (csrc/gguf_cpu.cpp).
 They run in torch's intra-op threads.
 
 They are compiled when pagoda is installed (setup.py: one library for AVX-512 machines, one for AVX2,
@@ -24,7 +25,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp",
-                                                   "lora_cpu.cpp", "decoder_layer_cpu.cpp")]
+                                                   "lora_cpu.cpp", "decoder_layer_cpu.cpp", "moe_cpu.cpp",
+                                                   "gguf_cpu.cpp")]
 # per CPU capability torch reports, so that a build cache shared between machines stays valid
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
@@ -196,6 +198,13 @@ class PanelLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [rows, in] float32 -> [rows, out]
         return ops().linear_panels(x, self.weight, self.bias, self.out)
+
+
+def moe_experts_(out, x, w13, w2, weights, ids) -> None:
+    # out: [n, hidden] += each token's routing-weighted expert outputs (csrc/moe_cpu.cpp); x: [n, hidden];
+    # w13: [E, 2I, hidden], w2: [E, hidden, I], each expert's transpose contiguous, in x's dtype;
+    # weights: [n, k] float32, ids: [n, k] int64
+    ops().moe_experts_(out, x, w13, w2, weights, ids)
 
 
 def lora_rows_(y, x, at, bt, rows, slots, slice_start: list[int], rank: int) -> None:

@@ -44,6 +44,12 @@ ACTIVATIONS = {"GPT2LMHeadModel": ("activation_function", "gelu_new"),
 DEFAULT_ACTIVATION = ("hidden_act", "silu")
 
 
+def _gguf_blocks(hf_config) -> list[str]:
+    """The block types of a GGUF checkpoint's tensors (engine/gguf.py load_config), floats left out."""
+    types = (getattr(hf_config, "gguf", None) or {}).get("types", ())
+    return [t for t in types if t not in ("F32", "F16", "BF16")]
+
+
 def check(config, device: torch.device, hf_config=None, architecture: str | None = None) -> None:
     """ValueError naming the option, where deterministic mode cannot hold its promise."""
     if not config.deterministic:
@@ -54,10 +60,16 @@ def check(config, device: torch.device, hf_config=None, architecture: str | None
                f"use device=cpu or leave deterministic off")
     elif config.quantization is not None:
         why = f"quantization {config.quantization!r} has no batch-invariant kernel yet; leave quantization off"
+    elif _gguf_blocks(hf_config):
+        why = (f"{hf_config.gguf['file']} holds {', '.join(_gguf_blocks(hf_config))} blocks, which have no "
+               f"batch-invariant kernel yet; use a GGUF file in F32, F16 or BF16")
     elif config.dtype == "float16":
         why = "float16 has no batch-invariant linear kernel on CPU; use dtype float32 or bfloat16"
     elif config.attention_backend not in ("auto", "cpu"):
         why = f"it needs attention_backend cpu (pagoda's C++ op), not {config.attention_backend!r}"
+    elif architecture == "GptOssForCausalLM":
+        why = ("gpt-oss's experts (biases, clamped SwiGLU) run on torch's GEMMs, which are not batch-invariant; "
+               "leave deterministic off")
     elif hf_config is not None:
         field, supported = ACTIVATIONS.get(architecture, DEFAULT_ACTIVATION)
         if getattr(hf_config, field, None) != supported:

@@ -6,12 +6,19 @@ chunks of the weight instead. Activations go through the kernel in bfloat16 (its
 ~10x slower); the layer's output comes back in the model's dtype. Embeddings, norms and the KV
 cache stay in the model's dtype; a tied LM head gets its own int8 copy (the embedding keeps its rows
 for the lookups). Unquantized stays the default: float32 is the path tested token for token against
-transformers; benchmarks/quantization.py measures what int8 costs in accuracy."""
+transformers; benchmarks/quantization.py measures what int8 costs in accuracy.
+
+GGUF checkpoints' linear weights (engine/gguf.py GGUFWeight; GPTQ / AWQ / compressed-tensors ones repacked
+into GGUF blocks by engine/int4.py) go through the same dispatch (quantized_linear): pagoda's CPU kernels on
+the blocks as stored (csrc/gguf_cpu.cpp) for up to DEQUANT_MIN_ROWS - 1 rows, float32 activations and
+accumulators; more rows multiply chunks of the weight dequantized to the activations' dtype."""
 import logging
 
 import torch
 import torch.nn.functional as F
 
+from pagoda.engine.gguf import GGUF_KERNEL_TYPES, GGUFWeight
+from pagoda.engine.layers import cpu_ops
 from pagoda.engine.loader import native_bf16
 
 log = logging.getLogger("pagoda.engine")
@@ -27,7 +34,7 @@ CHUNK_ROWS = 2048  # output rows dequantized at once: a few MB, so the GEMM read
 
 def check(quantization: str | None, device: torch.device) -> None:
     if quantization is not None and device.type != "cpu":
-        raise ValueError(f"quantization {quantization!r} (weight-only int8) runs on CPU only; on {device.type} "
+        raise ValueError(f"quantization {quantization!r} (weight-only) runs on CPU only; on {device.type} "
                          f"use dtype bfloat16 or float16 without it")
 
 
@@ -65,9 +72,61 @@ def int8_linear(x: torch.Tensor, layer) -> torch.Tensor:
     return y if layer.bias is None else y.add_(layer.bias)
 
 
+def quantized_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    """The one dispatch of a quantized linear layer (parallel.Linear with `qweight` set), by its format."""
+    return gguf_linear(x, layer) if isinstance(layer.qweight, GGUFWeight) else int8_linear(x, layer)
+
+
+def gguf_linear(x: torch.Tensor, layer) -> torch.Tensor:
+    # x: [num_tokens, in] -> [num_tokens, out], in x's dtype
+    w: GGUFWeight = layer.qweight
+    if x.dim() != 2:
+        return gguf_linear(x.reshape(-1, x.shape[-1]), layer).view(*x.shape[:-1], w.out_features)
+    if w.perm is not None:  # blocks of act-ordered columns (GPTQ desc_act)
+        x = x[:, w.perm]
+    ops = cpu_ops.ops()
+    ys = []
+    for kind, t in w.parts:
+        if kind is None:
+            ys.append(F.linear(x, t.to(x.dtype)))
+        elif x.shape[0] < DEQUANT_MIN_ROWS:
+            ys.append(ops.gguf_linear(x, t, GGUF_KERNEL_TYPES[kind][0]))
+        else:  # dequantized a few thousand rows at a time (they stay in cache), then a plain GEMM
+            type_id = GGUF_KERNEL_TYPES[kind][0]
+            ys += [F.linear(x, ops.gguf_dequantize(t[a:a + CHUNK_ROWS], type_id, w.in_features).to(x.dtype))
+                   for a in range(0, t.shape[0], CHUNK_ROWS)]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+    return y if layer.bias is None else y.add_(layer.bias)
+
+
+def gguf_embedding(ids: torch.Tensor, w: GGUFWeight) -> torch.Tensor:
+    # ids: [num_tokens] -> [num_tokens, hidden] in w.dtype: only the rows looked up are dequantized
+    kind, blocks = w.parts[0]
+    rows = cpu_ops.ops().gguf_dequantize(blocks[ids], GGUF_KERNEL_TYPES[kind][0], w.in_features)
+    return rows.to(w.dtype)
+
+
+@torch.no_grad()
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """weight: [out, in] float (in a multiple of 32) -> GGUF Q4_1 blocks [out, in / 32 * 20] uint8: per 32
+    weights their minimum m and step d = (max - min) / 15 in float16, q = round((w - m) / d). Done CHUNK_ROWS
+    rows at a time (no float32 copy of a large LM head)."""
+    out, k = weight.shape
+    blocks = torch.empty(out, k // 32, 20, dtype=torch.uint8, device=weight.device)
+    for a in range(0, out, CHUNK_ROWS):
+        w = weight[a:a + CHUNK_ROWS].float().view(-1, k // 32, 32)
+        lo = w.amin(-1).half()
+        d = ((w.amax(-1) - lo.float()) / 15).half()
+        q = torch.round((w - lo.float()[..., None]) / d.float().clamp(min=1e-30)[..., None]).clamp_(0, 15)
+        q = q.to(torch.uint8)
+        blocks[a:a + CHUNK_ROWS] = torch.cat([d[..., None].view(torch.uint8), lo[..., None].view(torch.uint8),
+                                              q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    return blocks.view(out, -1)
+
+
 def quantize_model_(model: torch.nn.Module, quantization: str | None, linear: type) -> int:
     """Quantize every `linear` layer (engine/executor/parallel.py Linear) that can be, in place; returns
-    how many were."""
+    how many were. int4: GGUF Q4_1 blocks (32 weights a block), computed on by the GGUF kernels."""
     if quantization is None:
         return 0
     # many rows: dequantize to bfloat16 where the CPU computes in it natively (AVX512-BF16, AMX), else
@@ -75,16 +134,24 @@ def quantize_model_(model: torch.nn.Module, quantization: str | None, linear: ty
     gemm_dtype = torch.bfloat16 if native_bf16() else torch.float32
     count = skipped = 0
     for m in model.modules():
-        if isinstance(m, linear) and can_quantize(m):
+        if isinstance(m, linear) and m.qweight is not None:  # stored quantized (a GGUF checkpoint's blocks)
+            continue
+        if isinstance(m, linear) and quantization == "int4" and m.in_features % 32 == 0:
+            m.qweight = GGUFWeight([("Q4_1", quantize_q4_1(m.weight))], m.in_features, m.weight.dtype)
+            m.weight = None  # a tied head's rows stay with the embedding
+            count += 1
+        elif isinstance(m, linear) and quantization == "int8" and can_quantize(m):
             m.qweight, m.scales = quantize_int8(m.weight)
             m.gemm_dtype = gemm_dtype
             m.weight = None  # a tied head's rows stay with the embedding
             count += 1
         elif isinstance(m, linear):
             skipped += 1
-    log.info("int8 weight-only: %d linear layers quantized%s", count,
-             f", {skipped} kept in float (input size not a multiple of {_K_MULTIPLE})" if skipped else "")
+    multiple = 32 if quantization == "int4" else _K_MULTIPLE
+    log.info("%s weight-only: %d linear layers quantized%s", quantization, count,
+             f", {skipped} kept in float (input size not a multiple of {multiple})" if skipped else "")
     return count
 
 
-__all__ = ["check", "quantize_int8", "int8_linear", "quantize_model_"]
+__all__ = ["check", "quantize_int8", "quantize_q4_1", "int8_linear", "gguf_linear", "gguf_embedding",
+           "quantized_linear", "quantize_model_"]

@@ -110,6 +110,9 @@ def read_adapter_config(name: str, path: str, max_rank: int, targetable: set[str
     refused = {"use_dora": "DoRA", "modules_to_save": "whole modules saved beside the adapter",
                "rank_pattern": "per-layer ranks", "alpha_pattern": "per-layer alphas",
                "layers_to_transform": "a subset of layers", "lora_bias": "LoRA biases"}
+    if cfg.get("target_parameters"):  # PEFT's form for a mixture of experts' fused experts
+        raise ValueError(f"{where}: target_parameters {sorted(map(str, cfg['target_parameters']))} (the experts of "
+                         f"a mixture of experts) is not supported: adapters may target the attention projections")
     for key, what in refused.items():
         if cfg.get(key):
             raise ValueError(f"{where}: {key} ({what}) is not supported")
@@ -392,6 +395,9 @@ def _read_weights(model, layers: dict[str, LoRASlots], shapes: dict, name: str, 
                     raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B weight (not supported)")
                 mapped = model.checkpoint_name(module + ".weight")
                 lname = None if mapped is None else mapped[0].removesuffix(".weight")
+                if lname not in layers and mapped is not None and ".experts." in mapped[0]:
+                    raise ValueError(f"{where}: tensor {key!r} targets the expert module {module!r}: adapters on a "
+                                     f"mixture of experts' experts are not supported (the attention projections may be targeted)")
                 if lname not in layers:
                     raise ValueError(f"{where}: tensor {key!r} targets no linear layer of this model")
                 t = f.get_tensor(key).float()

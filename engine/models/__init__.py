@@ -1,9 +1,12 @@
 """Architectures pagoda runs, keyed by the `architectures` entry of a checkpoint's config.json."""
 from pagoda.engine.models.gemma import GemmaForCausalLM
 from pagoda.engine.models.gpt2 import GPT2LMHeadModel
+from pagoda.engine.models.gpt_oss import GptOssForCausalLM
 from pagoda.engine.models.granite import granite
 from pagoda.engine.models.llama import LlamaForCausalLM, layer_windows, qwen2, qwen3
+from pagoda.engine.models.mixtral import MixtralForCausalLM
 from pagoda.engine.models.olmo2 import Olmo2ForCausalLM
+from pagoda.engine.models.qwen_moe import qwen2_moe, qwen3_moe
 from pagoda.engine.models.smollm3 import smollm3
 
 MODELS = {
@@ -18,6 +21,10 @@ MODELS = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,  # q/k/v and gate/up stored fused: LlamaAttention/LlamaMLP load either
     "SmolLM3ForCausalLM": smollm3,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": qwen2_moe,
+    "Qwen3MoeForCausalLM": qwen3_moe,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -47,6 +47,7 @@ class Parts:
     logits_divisor: float = 1.0  # Granite's logits_scaling
     rope_layers: tuple | None = None  # per layer, whether it rotates q and k (SmolLM3's NoPE layers); None: all
     attention_softcap: float = 0.0  # Gemma 2's attn_logit_softcapping
+    sinks: bool = False  # a learned logit per head that each softmax also covers (gpt-oss)
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -99,8 +100,18 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if parts.qk_norm else None
         self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if parts.qk_norm else None
         scale = parts.attention_scale if parts.attention_scale is not None else hd ** -0.5
-        variant = Variant(window=layer_windows(cfg)[index], softcap=parts.attention_softcap)
+        self.sinks = None
+        if parts.sinks:  # this rank's heads' (the loader reads them by tp_parts)
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
+            self.tp_dim, self.tp_parts = 0, {None: [(q_rows[0] // hd, self.num_heads)]}
+        variant = Variant(window=layer_windows(cfg)[index], softcap=parts.attention_softcap, sinks=self.sinks)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, variant)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.sinks is not None:  # float32 whatever the model's dtype: the attention backends take them so
+            self.sinks.data = self.sinks.data.float()
+        return self
 
     def forward(self, rope, x, meta: AttentionMetadata):
         # x: [num_tokens, hidden]; rope: (cos, sin) of each token's position
@@ -121,15 +132,16 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     fused_ops = None  # pagoda's CPU ops, bound by the model runner where they are built
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, intermediate_size: int | None = None):
         super().__init__()
         bias = getattr(cfg, "mlp_bias", False)
-        self.intermediate_size = n = parallel.split(cfg.intermediate_size, "intermediate_size")
+        full = intermediate_size or cfg.intermediate_size  # another size: a MoE model's dense or shared expert
+        self.intermediate_size = n = parallel.split(full, "intermediate_size")
         rows = (parallel.group().rank * n, n)
         self.gate_up_proj = parallel.column_parallel(cfg.hidden_size, 2 * n, bias, pieces={0: [rows], 1: [rows]})
         self.gate_up_proj.shard_offsets = (0, n)
-        self.gate_up_proj.tp_parts[None] = [rows, (cfg.intermediate_size + rows[0], n)]  # stored as one (Phi-3)
-        self.down_proj = parallel.RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj.tp_parts[None] = [rows, (full + rows[0], n)]  # stored as one (Phi-3)
+        self.down_proj = parallel.RowParallelLinear(full, cfg.hidden_size, bias=bias)
         act = getattr(cfg, "hidden_activation", None) or cfg.hidden_act  # Gemma's name
         self.act = activation(act)
         self.is_silu = act == "silu"

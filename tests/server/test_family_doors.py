@@ -20,7 +20,8 @@ SENTENCEPIECE = {"gemma2", "gemma3", "phi3"}
 MAX_NEW = 16
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "granite", "olmo2", "smollm3", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "granite", "olmo2", "smollm3", "mistral", "mixtral",
+                                    "qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_every_door_gives_transformers_tokens(family, tmp_path):
     path = str(tmp_path / family)
     tokenizer = build_sentencepiece_tokenizer(path) if family in SENTENCEPIECE else None
@@ -39,8 +40,8 @@ def test_every_door_gives_transformers_tokens(family, tmp_path):
             groups = [(g.window, g.num_layers, g.blocks_used) for g in c.stats().kv_groups]
         http = openai_client(srv).completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
         assert http.choices[0].text == offline.text
-        # the KV figures per group of layers (a sliding and a full one for Gemma), on both doors
-        assert groups == ([(0, 1, 0), (16, 1, 0)] if family.startswith("gemma") else
+        # the KV figures per group of layers (a sliding and a full one for Gemma and gpt-oss), on both doors
+        assert groups == ([(0, 1, 0), (16, 1, 0)] if family.startswith(("gemma", "gpt_oss")) else
                           [(FAMILIES[family].get("sliding_window", 0), 2, 0)])
         assert [tuple(g.values()) for g in httpx.get(srv.http_url + "/stats").json()["kv_groups"]] == groups
     finally:

@@ -42,9 +42,10 @@ def test_two_ranks_match_one_for_every_family(checkpoint, family):
     got, _ = _greedy(path, num_kv_blocks=64, tensor_parallel_size=2)
     assert got == want
     # chunked prefill (16-token steps) and preemption (14 blocks of 4 hold fewer than the 3 requests; a model
-    # whose every layer slides holds only its window's: 10 then; Gemma's blocks hold one of its two KV
-    # groups, the sliding one a window's: 20 then)
-    tight, preempted = _greedy(path, num_kv_blocks={"mistral": 10, "gemma2": 20, "gemma3": 20}.get(family, 14),
+    # whose every layer slides holds only its window's: 10 then; Gemma's and gpt-oss's blocks hold one of their
+    # two KV groups, the sliding one a window's: 20 then)
+    tight, preempted = _greedy(path, num_kv_blocks={"mistral": 10, "gemma2": 20, "gemma3": 20, "gpt_oss": 20}.get(
+                               family, 14),
                                block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2)
     assert tight == want and preempted > 0
 

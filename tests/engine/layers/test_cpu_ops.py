@@ -498,7 +498,7 @@ def test_the_avx2_path_on_an_avx512_machine():
     tests = REPO / "tests" / "engine"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
                           str(tests / "layers" / "test_cpu_ops.py"), str(tests / "models" / "test_correctness.py"),
-                          str(tests / "layers" / "test_quantization.py"),
+                          str(tests / "layers" / "test_quantization.py"), str(tests / "layers" / "test_gguf_kernels.py"),
                           "-k", "(matches or argmax or fused or padding or skips or int8 or dequantized "
                                 "or bfloat16_engine) and not triton and not avx2_path"],
                          capture_output=True, text=True, timeout=900, cwd=REPO,

@@ -99,8 +99,8 @@ def test_engine_logprobs_match_transformers_on_the_dequantized_weights(arch):
 
 
 def test_refusals_name_the_option():
-    with pytest.raises(ValueError, match="quantization must be one of int8; got 'int4'"):
-        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4; got 'int3'"):
+        EngineConfig(quantization="int3")
     with pytest.raises(ValueError, match="quantization 'int8' .* runs on CPU only; on cuda use dtype"):
         qz.check("int8", torch.device("cuda"))
 
@@ -119,10 +119,10 @@ def test_served_model_reports_its_quantization():
 def test_cli_flag_names_its_choices(capsys, command):
     from pagoda.client.cli import main
     with pytest.raises(SystemExit) as e:
-        main([command, "--quantization", "int4"] + (["hi"] if command == "offline" else []))
+        main([command, "--quantization", "int3"] + (["hi"] if command == "offline" else []))
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --quantization: invalid choice: 'int4' (choose from" in err and "int8" in err
+    assert "argument --quantization: invalid choice: 'int3' (choose from" in err and "int8" in err
 
 
 def test_tensor_parallel_ranks_quantize_their_own_shards():
@@ -140,3 +140,49 @@ def test_tensor_parallel_ranks_quantize_their_own_shards():
     one, two = ([lp.logprob for lp in r.prompt_logprobs[1:]] for r in runs)
     assert len(one) == len(prompt) - 1 and max(abs(a - b) for a, b in zip(one, two)) < 0.3
     assert all(len(r.outputs[0].token_ids) == 16 for r in runs)  # (greedy picks may flip at near-ties)
+
+
+def test_quantize_q4_1_keeps_each_block_within_half_a_step():
+    """int4: 32 weights a block, their minimum and step in float16 (GGUF Q4_1, read back by gguf.quants)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = torch.randn(2 * qz.CHUNK_ROWS + 40, 96) * torch.logspace(-3, 1, 2 * qz.CHUNK_ROWS + 40)[:, None]
+    blocks = qz.quantize_q4_1(w)
+    assert blocks.shape == (w.shape[0], 3 * 20) and blocks.dtype == torch.uint8
+    got = torch.from_numpy(dequantize(np.asarray(blocks), GGMLQuantizationType.Q4_1))
+    step = (w.view(-1, 3, 32).amax(-1) - w.view(-1, 3, 32).amin(-1)) / 15
+    assert ((got - w).view(-1, 3, 32).abs() <= step[..., None] * 0.51 + w.abs().amax() * 2 ** -10).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_engine_matches_transformers_on_the_dequantized_weights(arch):
+    """Every linear layer (the LM head too) in Q4_1 blocks, computed on by the GGUF kernels with float32
+    activations: the engine's greedy tokens and log-probabilities are transformers' over the same weights."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint(arch)
+    llm = LLM(**vars(engine_config(path, quantization="int4", block_size=4, max_num_batched_tokens=64)))
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight is None and m.qweight.parts[0][0] == "Q4_1" for m in linears)
+    assert llm.engine.model_info().quantization == "int4"
+    prompt = list(range(7, 47))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    ids = prompt + list(out.outputs[0].token_ids)
+    scored = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs[1:]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        head = ref.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())  # untie: the head alone is quantized
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Linear):
+                blocks = np.asarray(qz.quantize_q4_1(m.weight))
+                m.weight.copy_(torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q4_1)))
+        logits = ref(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    assert logits[len(prompt) - 1:].argmax(-1).tolist() == list(out.outputs[0].token_ids)
+    want = logits.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert (torch.tensor([lp.logprob for lp in scored]) - want).abs().max() < 1e-3

@@ -1,0 +1,42 @@
+"""gpt-oss (GptOssForCausalLM): attention with q/k/v/o biases and a learned sink logit per head, sliding-window
+layers beside full ones (`layer_types`), YaRN RoPE; a mixture of experts whose router takes the top k logits
+(router bias included) and a softmax over those k, with biased experts and the clamped SwiGLU. Its experts
+are loaded from float tensors (MXFP4 checkpoints are not read yet)."""
+from torch import nn
+
+from pagoda.engine.layers.moe import GptOssExperts, GptOssRouter
+from pagoda.engine.models.llama import Parts
+from pagoda.engine.models.mixtral import MixtralForCausalLM, MoeDecoderLayer
+
+
+class GptOssMoeBlock(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.router = GptOssRouter(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok)
+        self.experts = GptOssExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
+                                     cfg.swiglu_limit, getattr(cfg, "swiglu_alpha", 1.702))
+
+    def forward(self, x):
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]
+        return self.experts(x, *self.router(x))
+
+
+class GptOssDecoderLayer(MoeDecoderLayer):
+    def make_mlp(self, cfg, index: int):
+        return GptOssMoeBlock(cfg)
+
+
+class GptOssForCausalLM(MixtralForCausalLM):
+    layer_class = GptOssDecoderLayer
+
+    def __init__(self, cfg):
+        if getattr(cfg, "quantization_config", None):
+            raise ValueError(f"gpt-oss with quantized experts ({cfg.quantization_config.get('quant_method')}) is "
+                             f"not supported yet: use a checkpoint with float (bfloat16) weights")
+        bias = getattr(cfg, "attention_bias", True)
+        super().__init__(cfg, Parts(qkv_bias=bias, o_bias=bias, sinks=True))
+
+    def checkpoint_name(self, name: str):
+        if ".mlp.experts." in name:  # fused tensors and their biases, as the checkpoint names them
+            return name.removeprefix("model."), None
+        return super().checkpoint_name(name)
