@@ -27,6 +27,12 @@ MODEL_CONFIGS = {
     "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                                    rope_theta=1e6, max_position_embeddings=32768)),
+    # Llama-3.2-1B's: the Llama of Gemma-3-1B's size (1.24B parameters against 1.00B)
+    "llama3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+                                  rope_theta=5e5, max_position_embeddings=131072, rope_scaling=dict(
+                                      rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=8192))),
     # Gemma-3-1B's text model: five sliding layers (window 512) to one full, a RoPE base per layer type, MQA
     "gemma3-1b": ("gemma3", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
                                  num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
