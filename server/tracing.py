@@ -92,7 +92,10 @@ class Tracing:
         from opentelemetry.trace import set_span_in_context
 
         ctx = set_span_in_context(call)
-        t_admitted = record.t_engine if record.t_engine is not None else record.t_end
+        # validation ends where the engine stamped its sequences' arrival (the front-end's own stamp of the
+        # hand-over can trail it by a scheduling delay on a busy machine: the spans would overlap)
+        arrivals = [out.metrics.arrival_time for out in record.lasts.values()]
+        t_admitted = min(arrivals) if arrivals else record.t_engine if record.t_engine is not None else record.t_end
         validate = self._span("validate", ctx, ns(record.t0), ns(t_admitted))
         for start, stop in record.grammar_compiles:
             self._span("grammar_compile", set_span_in_context(validate), ns(start), ns(stop))
