@@ -277,6 +277,11 @@ class EngineConfig:
     model: str | None = field(default=None, metadata={"help": (
         "HF model directory or hub id, also given as `pagoda serve MODEL` (default: the built-in demo model)"),
         "none": ""})
+    # the tokenizer (and its chat template) from this directory or hub id instead of the checkpoint's: a GGUF's
+    # embedded one replaced, as vLLM's --tokenizer (engine/loader.py resolve_tokenizer_path)
+    tokenizer: str | None = field(default=None, metadata={"none": "", "metavar": "DIR", "help": (
+        "a tokenizer directory (or hub id) to use instead of the model's own, e.g. a GGUF file's base model "
+        "(default: the model's)")})
     dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": (
         "weights/compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16 or AMX; float32 with "
         "--deterministic on), else float32; on CUDA the checkpoint's bf16/fp16 (default: auto)")})
@@ -335,6 +340,18 @@ class EngineConfig:
         "split the model over this many ranks (processes; one GPU each on CUDA), which must divide its "
         "attention heads (default: 1)")})
     tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
+    # multi-node tensor parallelism, vLLM's flags: the ranks split evenly over nnodes nodes; node 0 runs the
+    # driver (rank 0, the doors), node k > 0 only its ranks (engine/executor/node.py), all meeting at the
+    # driver's store on master_addr:master_port
+    nnodes: int = field(default=1, metadata={"help": (
+        "nodes the --tensor-parallel-size ranks are split over, evenly (default: 1)")})
+    node_rank: int = field(default=0, metadata={"help": (
+        "this node's index: 0 runs the server and the first ranks; 1..nnodes-1 run only their ranks, "
+        "which join node 0's at --master-addr:--master-port (default: 0)")})
+    master_addr: str = field(default="127.0.0.1", metadata={"help": (
+        "node 0's address, reachable from every node (default: 127.0.0.1)")})
+    master_port: int | None = field(default=None, metadata={"type": int, "none": 0, "help": (
+        "the port of node 0's rendezvous store; required with --nnodes > 1 (default: a free one)")})
     # a request never scheduled this long after arrival is refused
     max_queue_wait_s: float | None = field(default=None, metadata={
         "flag": "--max-queue-wait", "type": _seconds, "none": 0.0, "help": (
@@ -405,6 +422,7 @@ class EngineConfig:
         if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
                 or not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s!r}")
+        self._check_nodes()
         q = self.max_queue_wait_s
         if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 < q < float("inf")):
             raise ValueError(f"max_queue_wait_s must be a positive number of seconds or None, got {q!r}")
@@ -421,6 +439,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if self.chat_template is not None:
             check_chat_template(self.chat_template)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be a tokenizer directory or hub id, got {self.tokenizer!r}")
         for name in ("enable_prefix_caching", "enforce_eager", "engine_process", "deterministic", "cpu_fused_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -433,6 +453,27 @@ class EngineConfig:
             raise ValueError("speculative_config: a draft model is not supported with tensor_parallel_size > 1 "
                              "(use {\"method\": \"ngram\"}, or one rank)")
 
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def _check_nodes(self) -> None:
+        _positive_int("nnodes", self.nnodes)
+        if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank (--node-rank) must be in 0..nnodes-1 ({self.nnodes - 1}), got "
+                             f"{self.node_rank!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
+                             f"{self.nnodes} (--tensor-parallel-size, --nnodes): each node runs as many ranks")
+        port = self.master_port
+        if port is not None and (not is_int(port) or not 0 < port < 65536):
+            raise ValueError(f"master_port (--master-port) must be a port number (1-65535), got {port!r}")
+        if self.nnodes > 1 and port is None:
+            raise ValueError("master_port (--master-port) is required with nnodes > 1: every node must name "
+                             "the same one")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError(f"master_addr (--master-addr) must be a host name or address, got {self.master_addr!r}")
 
     @property
     def enable_lora(self) -> bool:

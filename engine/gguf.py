@@ -150,6 +150,20 @@ def architecture(reader, path: str) -> str:
     return arch
 
 
+def file_type(reader) -> str:
+    """What the file's weights are stored in, as llama.cpp names it (general.file_type: Q4_K_M, Q8_0, F16, ...);
+    without that field, the type most of its matrices are in (llama.cpp guesses so too)."""
+    from gguf import LlamaFileType
+
+    ft = _field(reader, "general.file_type")
+    try:
+        name = LlamaFileType(int(ft) & ~LlamaFileType.GUESSED).name
+    except (TypeError, ValueError):  # absent, or a type this gguf package does not know
+        kinds = [t.tensor_type.name for t in reader.tensors if len(t.shape) > 1]
+        return max(set(kinds), key=kinds.count) if kinds else "F32"
+    return {"ALL_F32": "F32"}.get(name, name.removeprefix("MOSTLY_"))
+
+
 def load_config(path: str):
     """The transformers config the file's metadata describes (AutoConfig's GGUF reader), with what it leaves
     out: the architecture class, head_dim (attention.key_length) and the special token ids."""
@@ -307,7 +321,8 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
     missing = {n for n in missing if not n.startswith(optional)} if optional else missing
     if missing:
         raise ValueError(f"{path} lacks weights for: {', '.join(sorted(missing)[:8])}")
-    for layer, shards in blocks.items():
+    for layer in list(blocks):
+        shards = blocks.pop(layer)  # freed once joined into the layer's parts, not at the end
         tied = [m for m in model.modules() if m is not layer and getattr(m, "weight", None) is layer.weight]
         weight = to_blocks(layer, shards, dtype)
         for m in tied:  # a tied LM head: the embedding's blocks

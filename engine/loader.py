@@ -3,6 +3,7 @@ safetensors (sharded or not). Pickle checkpoints are refused and no remote code 
 parallelism each rank reads only the rows or columns its layers hold (engine/executor/parallel.py)."""
 import glob
 import logging
+import math
 import os
 
 import torch
@@ -13,6 +14,7 @@ from pagoda.engine import gguf, int4
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")  # one is enough
+_TOKENIZER_HUB_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]  # no weights
 log = logging.getLogger("pagoda.engine")
 PROGRESS_BYTES = 1 << 30  # one weight file read: a progress line per GiB (several: a line per file)
 CHECKPOINT_FILES = ("a checkpoint directory holds config.json, the tokenizer files and *.safetensors weights "
@@ -38,6 +40,20 @@ def resolve_model_path(model: str) -> str:
     return check_checkpoint(model, _download(model))
 
 
+def resolve_tokenizer_path(tokenizer: str) -> str:
+    """--tokenizer: a local directory holding tokenizer files, or a hub id whose tokenizer files (no weights) are
+    downloaded once; ValueError naming `tokenizer`."""
+    path = os.path.expanduser(tokenizer)
+    if os.path.isdir(path):
+        if not any(glob.glob(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+            raise ValueError(f"tokenizer {tokenizer!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+        return path
+    if os.path.exists(path) or not _is_hub_id(tokenizer):
+        raise ValueError(f"tokenizer {tokenizer!r}: no such directory (a directory holding the tokenizer files, "
+                         f"or a Hugging Face hub id)")
+    return _download(tokenizer, _TOKENIZER_HUB_FILES, "tokenizer")
+
+
 def _is_hub_id(model: str) -> bool:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -48,22 +64,22 @@ def _is_hub_id(model: str) -> bool:
     return True
 
 
-def _download(model: str) -> str:
+def _download(model: str, patterns: list[str] = _HUB_FILES, what: str = "model") -> str:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        return snapshot_download(model, allow_patterns=_HUB_FILES)
+        return snapshot_download(model, allow_patterns=patterns)
     except GatedRepoError:
         why = "is gated: accept its terms on huggingface.co, then log in (`hf auth login`)"
     except RepositoryNotFoundError:
         why = "has no such repository (or it is private: log in with `hf auth login`)"
     except LocalEntryNotFoundError:  # offline (HF_HUB_OFFLINE=1), or the hub unreachable, and not in the cache
         why = (f"cannot be reached and the model is not in the local cache: download it where there is network "
-               f"(`hf download {model}`, into the same HF_HOME) or pass a local checkpoint directory")
+               f"(`hf download {model}`, into the same HF_HOME) or pass a local directory")
     except Exception as e:  # noqa: BLE001 - the hub's own words, on one line
         why = f"failed: {_one_line(e)}"
-    raise ValueError(f"model {model!r} is not a local directory, and the Hugging Face hub {why}")
+    raise ValueError(f"{what} {model!r} is not a local directory, and the Hugging Face hub {why}")
 
 
 def check_checkpoint(model: str, path: str) -> str:
@@ -121,6 +137,29 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def checkpoint_weights(path: str) -> dict:
+    """What a checkpoint's weights are as stored (engine/outputs.py ModelInfo's fields): format "gguf" or
+    "safetensors", path, bytes on disk, parameters (as stored: a 4-bit checkpoint's packed words count as
+    elements), and quantization: a GGUF's file type as llama.cpp names it where quantized (Q4_K_M, Q8_0, ...),
+    a 4-bit checkpoint's method and bits (gptq-int4, awq-int4, compressed-tensors-int4), else ""."""
+    if gguf.is_gguf(path):
+        files = gguf.split_files(path)
+        readers = [gguf.open_reader(f) for f in files]
+        kind = gguf.file_type(readers[0])
+        return {"weights_format": "gguf", "weights_path": path, "weights_bytes": sum(map(os.path.getsize, files)),
+                "num_parameters": sum(int(t.n_elements) for r in readers for t in r.tensors),
+                "quantization": "" if kind in ("F32", "F16", "BF16") else kind}
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    count = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    qc = int4.quantization_config(path)
+    return {"weights_format": "safetensors", "weights_path": path, "weights_bytes": sum(map(os.path.getsize, files)),
+            "num_parameters": count,
+            "quantization": "" if qc is None else f"{qc['quant_method']}-int{qc.get('bits', qc.get('w_bit', 4))}"}
 
 
 class _Progress:

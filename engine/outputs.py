@@ -113,6 +113,18 @@ class KVGroupStats:
 
 
 @dataclass(frozen=True)
+class ExpertLoadStats:
+    """A mixture of experts' load (engine/layers/moe.py ExpertLoad): the tokens each MoE layer routed to each
+    expert since start, a token counted once for each of its top_k experts."""
+    layers: tuple[int, ...]  # the MoE layers' indices among the decoder layers
+    tokens: object  # int64 numpy array [len(layers), num_experts]
+
+    def per_layer(self) -> list[tuple[int, list[int]]]:
+        """(layer, tokens per expert) for each MoE layer."""
+        return list(zip(self.layers, self.tokens.tolist()))
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -145,6 +157,7 @@ class EngineStats:
     max_loras: int = 0  # LoRA adapters resident at once (0: LoRA off)
     running_adapters: tuple[str, ...] = ()  # the LoRA adapters of the running sequences, sorted
     waiting_adapters: tuple[str, ...] = ()  # the LoRA adapters of the waiting sequences, sorted
+    expert_load: ExpertLoadStats | None = None  # mixtures of experts' routed tokens; None for dense models
 
     def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
         """How long `num_seqs` more sequences (holding `num_tokens` more tokens) would wait before all
@@ -170,10 +183,15 @@ class ModelInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_queue_len: int
-    quantization: str = ""  # "" (none) or "int8" (weight-only)
+    # "" (none); "int8" / "int4" (made at load); a GGUF's file type (Q4_K_M, ...); gptq-int4, awq-int4, ...
+    quantization: str = ""
     speculative_config: str = ""  # speculative decoding's config as JSON; "" when off
     deterministic: bool = False  # EngineConfig.deterministic
     adapters: tuple = ()  # the LoRA adapters loaded (engine/lora/adapters.py AdapterInfo), by name
     runner: str = "generate"  # EngineConfig.runner resolved: generate, pooling or all
     hidden_size: int = 0  # an embedding's most dimensions
     pooler: object = None  # engine/pooling.py PoolerConfig: how embeddings pool (None: the runner generates only)
+    weights_format: str = "safetensors"  # as stored: safetensors or gguf
+    weights_path: str = ""  # the checkpoint directory, or the GGUF file (its first piece; an Ollama model's blob)
+    weights_bytes: int = 0  # on disk (every piece)
+    num_parameters: int = 0  # the checkpoint's, as stored (engine/loader.py checkpoint_weights)

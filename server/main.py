@@ -10,6 +10,8 @@ signal ends it at once.
 
 The flags come from the fields of engine/config.py's EngineConfig, server/options.py's ServerOptions
 (limits, keepalive, TLS / mutual TLS, API key, metrics) and ServeProcess below (add_options).
+
+With --node-rank K > 0 (tensor parallelism across nodes) the process serves no API: serve_node.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import dataclasses
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger("pagoda.server")
@@ -172,7 +175,8 @@ def engine_config(args: argparse.Namespace):
     """The EngineConfig of the parsed flags; --cpu-threads 0: a core less than usable, over the ranks."""
     from pagoda.engine import EngineConfig
 
-    threads = args.cpu_threads or max(1, serving_cpu_threads() // max(1, args.tensor_parallel_size))
+    per_node = max(1, args.tensor_parallel_size // max(1, args.nnodes))
+    threads = args.cpu_threads or max(1, serving_cpu_threads() // per_node)
     return from_args(EngineConfig, args, cpu_threads=threads, model=model_of(args))
 
 
@@ -250,7 +254,83 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # a usage error: argparse's exit 2, after the usage line
         args.parser.error(str(e))
     setup_logging(args.log_level, getattr(args, "log_format", "text"))
+    if args.node_rank:
+        return serve_node(args)
     return asyncio.run(serve(args))
+
+
+def serve_node(args: argparse.Namespace) -> int:
+    """--node-rank k > 0 (multi-node tensor parallelism): this node's ranks (engine/executor/node.py) and
+    no API (node 0 serves it). It serves grpc.health.v1 on --host:--port: SERVING once its ranks have
+    built their shards, while they run. Exits 0 when the driver stops the ranks, 1 when they end otherwise
+    (the driver gone, a rank failed) or cannot start; SIGTERM or SIGINT kill the ranks and exit 0."""
+    from pagoda.engine.executor.node import Node  # torch-free: the ranks import it
+
+    try:
+        config = engine_config(args)
+        server, health, port = _health_only(args.host, args.port)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        return 1
+    first = config.node_rank * config.ranks_per_node
+    ranks = f"ranks {first}..{first + config.ranks_per_node - 1} of {config.tensor_parallel_size}"
+    log.info("node %d of %d (%s): listening on %s:%s (port %d), grpc.health.v1 only (the API is node 0's); "
+             "the ranks join node 0 at %s:%d", config.node_rank, config.nnodes, ranks, args.host, args.port, port,
+             config.master_addr, config.master_port)
+    node = Node(config)
+    try:
+        code = _watch(node, health, ranks)
+    finally:
+        health.enter_graceful_shutdown()
+        node.close()
+        server.stop(None)
+    if code is None:
+        return 0
+    if code:
+        log.error("exiting with code 1: this node's ranks ended (node 0 is gone, or a rank failed)")
+    else:
+        log.info("node 0 stopped this node's ranks")
+    return code
+
+
+def _health_only(host: str, port: int):
+    """A gRPC server of grpc.health.v1 alone, NOT_SERVING: (server, its health servicer, the bound port)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {host}:{port} (--port): {e}") from None
+    server.start()
+    return server, servicer, bound
+
+
+def _watch(node, health, ranks: str) -> int | None:
+    """Until the node's ranks end (their code, node.poll) or a signal (None); health SERVING once loaded."""
+    from grpc_health.v1 import health_pb2
+
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda sig, frame: stop.append(sig))
+    serving = False
+    while not stop:
+        code = node.poll()
+        if code is not None:
+            return code
+        if not serving and node.loaded():
+            serving = True
+            health.set("", health_pb2.HealthCheckResponse.SERVING)
+            log.info("%s loaded: running node 0's steps", ranks)
+        time.sleep(0.2)
+    log.info("%s: killing this node's ranks", signal.Signals(stop[0]).name)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,9 @@ the engine reports, of the phases a trace shows (server/tracing.py): queue time,
 time, time per output token; tokens in/out per finished request.
 From the engine, read at scrape time (EngineCollector): KV blocks used/free/total, running and
 waiting requests, preemptions, prompt tokens processed, tokens generated; speculative decoding's
-proposed and accepted tokens and mean accepted length. With --metrics-compat vllm (the default), also
-the vLLM-named gauges the Gateway API Inference Extension's endpoint picker reads (VllmCollector).
+proposed and accepted tokens and mean accepted length; a mixture of experts' tokens per layer and expert.
+With --metrics-compat vllm (the default), also the vLLM-named gauges the Gateway API Inference Extension's
+endpoint picker reads (VllmCollector).
 """
 from __future__ import annotations
 
@@ -71,6 +72,19 @@ class EngineCollector:
             for adapter, value in sorted(values.items()):
                 family.add_metric([adapter], value)
             yield family
+        if s.expert_load is not None:
+            yield expert_tokens(s.expert_load)
+
+
+def expert_tokens(load) -> CounterMetricFamily:
+    """Mixtures of experts: a counter per (layer, expert), so rate() shows which experts are hot (a histogram
+    of loads would lose which expert each one is)."""
+    family = CounterMetricFamily("pagoda_moe_expert_tokens", "mixtures of experts: tokens routed to each "
+                                 "expert of each MoE layer (once per expert a token chose)", labels=["layer", "expert"])
+    for layer, tokens in load.per_layer():
+        for expert, value in enumerate(tokens):
+            family.add_metric([str(layer), str(expert)], value)
+    return family
 
 
 class VllmCollector:

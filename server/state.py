@@ -73,7 +73,9 @@ def stats_dict(s) -> dict:
             "spec_accepted_tokens": s.spec_accepted_tokens, "spec_mean_accepted_length": s.spec_mean_accepted_length,
             "adapter_requests": dict(s.adapter_requests), "adapter_generated_tokens": dict(s.adapter_tokens),
             "pooling_requests": s.num_pooling_requests, "pooling_tokens": s.num_pooling_tokens,
-            "kv_groups": [vars(g) for g in s.kv_groups]}
+            "kv_groups": [vars(g) for g in s.kv_groups],
+            "expert_load": [{"layer": layer, "tokens": tokens}
+                            for layer, tokens in (s.expert_load.per_layer() if s.expert_load is not None else ())]}
 
 
 class ServerState:

@@ -60,10 +60,11 @@ def blocks(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
 
 
 def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = Q.F32, split: int = 0,
-               seed: int = 0) -> str:
+               seed: int = 0, file_type: int | None = 1) -> str:
     """The checkpoint at `ckpt` as a GGUF at `path` (split: at most this many tensors a file, named
     -0000i-of-0000n.gguf). types: llama.cpp tensor kind (attn_q, ffn_down, output, token_embd, ...) -> block
-    type; every other tensor in float_type (norms in F32, as llama.cpp keeps them)."""
+    type; every other tensor in float_type (norms in F32, as llama.cpp keeps them). file_type: general.file_type
+    (gguf.LlamaFileType; None: not written)."""
     from transformers import AutoConfig, AutoTokenizer
 
     cfg, tok = AutoConfig.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
@@ -88,7 +89,8 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
                              else cfg.rope_theta)
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_file_type(1)
+    if file_type is not None:
+        w.add_file_type(file_type)
     vocab = tok.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     specials = set(tok.all_special_tokens)

@@ -14,14 +14,15 @@ from pagoda.engine.config import CPU_KV_CACHE_GB, GPU_MEMORY_UTILIZATION, MAX_NU
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenVocab
 from pagoda.engine.errors import AdapterNotFoundError, EngineDeadError
 from pagoda.engine.layers import deterministic, quantization
-from pagoda.engine.loader import device_of, free_memory, load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.engine.loader import (checkpoint_weights, device_of, free_memory, load_hf_config, load_tokenizer,
+                                  resolve_model_path, resolve_tokenizer_path)
 from pagoda.engine.lora.adapters import AdapterInfo
 from pagoda.engine.lora import usable
 from pagoda.engine.lora.registry import AdapterRegistry, check_modules
 from pagoda.engine.executor.model_runner import ModelRunner, StepResult
 from pagoda.engine.models import architecture_of, build_model, kv_windows
 from pagoda.engine.core.core_outputs import step_outputs
-from pagoda.engine.outputs import EngineStats, KVGroupStats, ModelInfo, RequestOutput, TokenLogprob
+from pagoda.engine.outputs import EngineStats, ExpertLoadStats, KVGroupStats, ModelInfo, RequestOutput, TokenLogprob
 from pagoda.engine.core.core_io import AdapterResult, EngineRequest
 from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput, scheduler_stats
 from pagoda.engine.core.sequence import Sequence
@@ -58,7 +59,9 @@ class EngineCore:
         self.model_name = config.model or DEMO_MODEL_NAME  # as the user named it
         self.hf_config = load_hf_config(path)
         self.architecture = architecture_of(self.hf_config)
-        self.tokenizer = load_tokenizer(path, config.chat_template)
+        self.weights = checkpoint_weights(path)  # as stored: format, path, bytes, parameters, quantization
+        tokenizer = resolve_tokenizer_path(config.tokenizer) if config.tokenizer else path
+        self.tokenizer = load_tokenizer(tokenizer, config.chat_template)
         self.eos_token_ids = _eos_ids(path, self.hf_config, self.tokenizer)
         self.vocab = TokenVocab(self.tokenizer, self.hf_config.vocab_size)
         self.structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
@@ -210,6 +213,8 @@ class EngineCore:
         # graphs pad batches with slot -1 rows, which only the Triton cache write skips
         if not c.enforce_eager and self.runner.attention_backend is not None and self.workers is None:
             self.runner.use_cuda_graphs(min(c.max_num_seqs, 256), c.max_model_len)
+        if self.runner.expert_load is not None:
+            self.runner.expert_load.reset()  # what the warm-up and the graphs' capture routed
         _log_phase("warm-up", t0, "CUDA graphs" if self.runner.decode_graphs is not None else "eager")
 
     def _build_scheduler(self) -> None:
@@ -468,10 +473,12 @@ class EngineCore:
         blocks = dict(vars(self.block_manager.stats()))
         used = blocks.pop("num_used_blocks_by_group")
         groups = tuple(KVGroupStats(g.window, len(g.layers), n) for g, n in zip(self.kv_groups, used))
+        load = self.runner.expert_load  # read into lists only when asked (a copy here: this runs every step)
+        experts = None if load is None else ExpertLoadStats(load.layers, load.read())
         return EngineStats(num_waiting=self.num_waiting, uptime_s=now - self.started,
                            adapter_requests=dict(self.adapters.requests) if self.adapters else {},
-                           kv_groups=groups, **blocks, **scheduler_stats(self.scheduler, now), **self._lora_stats(),
-                           **(spec.stats() if spec else {}))
+                           kv_groups=groups, expert_load=experts, **blocks, **scheduler_stats(self.scheduler, now),
+                           **self._lora_stats(), **(spec.stats() if spec else {}))
 
     def _lora_stats(self) -> dict:
         """The LoRA adapters in the batch and in the queue (vLLM's lora_requests_info)."""
@@ -483,12 +490,14 @@ class EngineCore:
                 "waiting_adapters": names(self.scheduler.waiting)}
 
     def model_info(self) -> ModelInfo:
-        c = self.config
+        c, weights = self.config, dict(self.weights)
+        stored = weights.pop("quantization")  # a quantized checkpoint's, else --quantization's
         return ModelInfo(self.model_name, self.architecture, c.dtype, c.max_model_len, self.hf_config.vocab_size,
                          sorted(self.eos_token_ids), c.block_size, c.num_kv_blocks, c.max_num_seqs,
-                         c.max_num_batched_tokens, c.max_queue_len, c.quantization or "",
+                         c.max_num_batched_tokens, c.max_queue_len, stored or c.quantization or "",
                          c.speculative_config.to_json() if c.speculative_config else "", c.deterministic,
-                         tuple(self.adapter_infos()), self.runner_kind, self.hf_config.hidden_size, self.pooler)
+                         tuple(self.adapter_infos()), self.runner_kind, self.hf_config.hidden_size, self.pooler,
+                         **weights)
 
 
 def _log_phase(phase: str, t0: float, what: str) -> None:

@@ -1,4 +1,5 @@
 """Runs one scheduled step: builds the flat batch, runs the model, samples the next tokens."""
+import contextlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
@@ -14,8 +15,10 @@ from pagoda.engine.executor.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers import cpu_attention, deterministic
 from pagoda.engine.layers.attention import Attention, AttentionMetadata
+from pagoda.engine.layers.moe import ExpertLoad
 from pagoda.engine.layers.pooler import logit_rows, pool_step
 from pagoda.engine.layers.quantization import quantize_model_
+from pagoda.engine.layers.rotary import RotaryEmbedding
 from pagoda.engine.layers.sampler import PenaltyTensors, Sampler, SamplingTensors
 from pagoda.engine.loader import device_of, dtype_of, load_hf_config, load_weights
 from pagoda.engine.lora.adapters import LoRAModel, step_slots
@@ -33,6 +36,9 @@ from pagoda.engine.executor.workers import cpu_threads, step_inputs
 log = logging.getLogger("pagoda.engine")
 
 
+# torch.nn.init's random fills, skipped while a model is built on the meta device (_no_random_init)
+_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                 "xavier_normal_")
 SCORED_ROWS = 256  # prompt rows whose logits are computed at once (prompt logprobs)
 FUSED_DTYPES = (torch.float32, torch.bfloat16)  # pagoda's CPU ops (csrc/layers_cpu.cpp, linear_cpu.cpp) run these
 
@@ -54,6 +60,10 @@ class ModelRunner:
                          and not pooler_config(config.model, config.pooling).classifier_from_token)
         self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group, head_optional)
         self.checkpoint_path = config.model  # a local directory here (LoRA adapters are checked against it)
+        # mixtures of experts: the tokens each layer routes to each expert, counted on the driver only (the
+        # engine reads rank 0's); None for dense models
+        load = ExpertLoad(self.model, self.device) if rank == 0 else None
+        self.expert_load = load if load is not None and load.layers else None
         rotary = getattr(self.model, "rotary", None)  # LongRoPE: (long_from, the long tables' offset)
         long_from = getattr(rotary, "long_from", None)
         self.long_rope = None if long_from is None else (long_from, rotary.cos.shape[0] // 2)
@@ -203,15 +213,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> "StepResult":
-        if self.workers is None:
-            return self._run(sched)
         try:
             return self._run(sched)
         except EngineDeadError:
             raise
         except Exception as e:  # the ranks are out of step now: the engine cannot go on
+            if self.workers is None:
+                raise
             self.workers.check(wait=1.0)  # a rank that died says so more plainly than the collective did
             raise EngineDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+        finally:
+            if self.expert_load is not None:
+                self.expert_load.copy_to_host()  # CUDA: enqueued, never waited on (ExpertLoad.read)
 
     def _run(self, sched: SchedulerOutput) -> "StepResult":
         input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
@@ -514,10 +527,11 @@ def _logprob_lists(lp, tokens: torch.Tensor, seqs: list[Sequence]):
 
 
 def _place(config: EngineConfig, rank: int) -> torch.device:
-    """This rank's device (rank r of a CUDA tensor-parallel group: GPU r), and its CPU threads."""
+    """This rank's device (rank r of a CUDA tensor-parallel group: its node's GPU r % ranks per node), and
+    its CPU threads."""
     device = device_of(config.device)
     if device.type == "cuda" and rank > 0:
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", rank % config.ranks_per_node)
         torch.cuda.set_device(device)
     elif device.type == "cpu" and (config.cpu_threads is not None or config.tensor_parallel_size > 1):
         torch.set_num_threads(cpu_threads(config))
@@ -526,16 +540,54 @@ def _place(config: EngineConfig, rank: int) -> torch.device:
 
 def _load_model(hf_config, path: str, seed: int, dtype: torch.dtype, device: torch.device,
                 group: parallel.TPGroup | None, head_optional: bool = False) -> torch.nn.Module:
-    """The model (this rank's shard under tensor parallelism) with the checkpoint's weights."""
+    """The model (this rank's shard under tensor parallelism) with the checkpoint's weights. Built on the meta
+    device and given memory uninitialised: the checkpoint writes every weight, and a layer a quantized
+    checkpoint stores in blocks drops its float weight untouched, so loading never holds a float copy of it."""
     torch.manual_seed(seed)
     parallel.use_group(group)
     try:
-        with torch.device(device):
+        with torch.device("meta"), _no_random_init():
             model = build_model(hf_config).to(dtype)
     finally:
         parallel.use_group(None)
+    _materialize(model, device)
+    if head_optional:  # a pooling checkpoint may have no LM head: zeros rather than whatever memory held
+        for name, p in model.named_parameters():
+            if name.startswith("lm_head."):
+                p.detach().zero_()
     load_weights(model, path, optional=("lm_head.",) if head_optional else ())
     return model.eval()
+
+
+@contextlib.contextmanager
+def _no_random_init():
+    """torch.nn.init's random fills as no-ops (as transformers' no_init_weights): on the meta device they fill
+    nothing, and normal_ there imports sympy (~150 MB resident for the server's life)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}
+    try:
+        for name in saved:
+            setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+@torch.no_grad()
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Uninitialised memory on `device` for a model built on the meta device, each parameter and buffer keeping
+    its Python object (Module.to_empty makes new ones from meta tensors: tied weights would come apart, and a
+    module holding another's parameter would keep the meta one); then the rotary tables, which meta has not."""
+    def empty(t):  # not empty_like: from meta it goes through torch._refs, which imports sympy
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    for p in list(model.parameters()):
+        torch.utils.swap_tensors(p, torch.nn.Parameter(empty(p), p.requires_grad))
+    for b in list(model.buffers()):
+        torch.utils.swap_tensors(b, empty(b))
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.reset_tables()
 
 
 def attention_backend(name: str, device: torch.device, head_dim: int):

@@ -35,6 +35,8 @@ from pagoda.engine.errors import EngineDeadError
 log = logging.getLogger("pagoda.engine")
 
 START_TIMEOUT_S = 300.0  # for the ranks to start and connect (importing torch on a busy machine)
+# multi-node: what the other nodes' ranks read from the driver's store to reach its listener (node.py)
+LISTENER_KEY, AUTHKEY_KEY = "pagoda/listener_port", "pagoda/authkey"
 
 
 @dataclass
@@ -69,25 +71,37 @@ def process_group(store, rank: int, size: int, device: torch.device, timeout_s: 
 class Workers:
     """The driver's handle on ranks 1..N-1: each a `python -m pagoda.engine.executor.rank` process (a fresh
     interpreter: nothing of the caller's __main__ is re-run), connected back over an authenticated
-    local socket."""
+    socket. With several nodes (config.nnodes) the driver starts this node's ranks 1..per_node-1; the
+    other nodes' connect from there (engine/executor/node.py): they have no process here (`procs`
+    holds this node's only, ranks 1.., then `conns` the other nodes' ranks)."""
 
     def __init__(self, config, device: torch.device):
         """config.model is the checkpoint's local directory; each rank builds its ModelRunner from it."""
-        size = config.tensor_parallel_size
-        if device.type == "cuda" and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} visible CUDA "
-                             f"devices")
-        self.store = torch.distributed.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False,
+        size, local = config.tensor_parallel_size, config.ranks_per_node
+        if config.node_rank:
+            raise ValueError(f"node_rank {config.node_rank} runs that node's ranks, not an engine: `pagoda serve MODEL "
+                             f"--node-rank {config.node_rank} ...` (only node 0 builds the engine)")
+        if device.type == "cuda" and local > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {local} per node exceeds the {torch.cuda.device_count()} "
+                             f"visible CUDA devices")
+        host = config.master_addr if config.nnodes > 1 else "127.0.0.1"
+        self.store = torch.distributed.TCPStore(host, config.master_port or 0, size, True, wait_for_workers=False,
                                                 timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         key = secrets.token_bytes(16)
-        listener = multiprocessing.connection.Listener(("127.0.0.1", 0), authkey=key)
+        listener = multiprocessing.connection.Listener((host, 0), authkey=key)
         env = {**os.environ, "PAGODA_TP_AUTHKEY": key.hex()}
         host, port = listener.address
+        if config.nnodes > 1:  # the store is the rendezvous: whoever reaches it may join (a trusted network)
+            self.store.set(LISTENER_KEY, str(port))
+            self.store.set(AUTHKEY_KEY, key.hex())
+            log.info("waiting for nodes 1..%d (ranks %d..%d) to connect to %s:%d", config.nnodes - 1, local,
+                     size - 1, config.master_addr, self.store.port)
         self.procs = [subprocess.Popen([sys.executable, "-m", "pagoda.engine.executor.rank", str(rank), f"{host}:{port}"],
-                                       env=env, stdin=subprocess.DEVNULL) for rank in range(1, size)]
+                                       env=env, stdin=subprocess.DEVNULL) for rank in range(1, local)]
+        self.per_node = local
         self._finalizer = weakref.finalize(self, _stop, [], self.procs)
         try:
-            self.conns = _accept(listener, self.procs)
+            self.conns = _accept(listener, self.procs, size - 1)
         finally:
             listener.close()
         self._finalizer.detach()
@@ -115,19 +129,25 @@ class Workers:
     def _reply(self, rank: int, conn):
         try:
             ok, value = conn.recv()
-        except EOFError:
-            ok, value = False, f"exited (code {self.procs[rank - 1].wait(5)})"
+        except (EOFError, OSError):
+            ok, value = False, (f"exited (code {self.procs[rank - 1].wait(5)})" if rank <= len(self.procs)
+                                else f"its connection closed (node {rank // self.per_node})")
         if not ok:
             raise RuntimeError(f"tensor-parallel rank {rank} failed: {value}")
         return value
 
     def check(self, wait: float = 0.0) -> None:
-        """EngineDeadError if a rank has exited (within `wait` seconds)."""
+        """EngineDeadError if a rank has exited (within `wait` seconds); another node's rank, if its
+        connection closed (a node cut off without closing it shows as a collective's timeout)."""
         deadline = time.monotonic() + wait
         while True:
             for rank, proc in enumerate(self.procs, 1):
                 if proc.poll() is not None:
                     raise EngineDeadError(f"tensor-parallel rank {rank} exited (code {proc.returncode})")
+            for rank in range(len(self.procs) + 1, len(self.conns) + 1):
+                if _closed(self.conns[rank - 1]):
+                    raise EngineDeadError(f"tensor-parallel rank {rank} of node {rank // self.per_node} is gone "
+                                          f"(its connection closed)")
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)
@@ -136,16 +156,29 @@ class Workers:
         self._finalizer()
 
 
-def _accept(listener, procs) -> list:
-    """One connection per worker, in rank order; an error if one exits first (or none comes in time)."""
+def _closed(conn) -> bool:
+    """Whether a rank's connection was closed: a rank sends nothing unasked, so readable means closed."""
+    try:
+        return conn.poll()
+    except (OSError, ValueError):
+        return True
+
+
+def _accept(listener, procs, n: int) -> list:
+    """A connection from each of ranks 1..n, in rank order (procs: this node's, which may not exit
+    first); an error if one exits first (or not all come in time)."""
     got: dict[int, object] = {}
     errors: list[BaseException] = []
 
     def accept_all():
         try:
-            for _ in procs:
+            for _ in range(n):
                 conn = listener.accept()
-                got[conn.recv()] = conn  # each says its rank first
+                rank = conn.recv()  # each says its rank first
+                if not 1 <= rank <= n or rank in got:
+                    raise RuntimeError(f"rank {rank} connected, expected ranks 1..{n} once each: give every node "
+                                       f"the same --tensor-parallel-size and --nnodes, and each its own --node-rank")
+                got[rank] = conn
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
             errors.append(e)
     t = threading.Thread(target=accept_all, daemon=True)
@@ -158,7 +191,7 @@ def _accept(listener, procs) -> list:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited while starting (code {proc.returncode})")
     if t.is_alive() or errors:
         raise RuntimeError(f"tensor-parallel ranks did not connect: {errors[0] if errors else 'timed out'}")
-    return [got[rank] for rank in range(1, len(procs) + 1)]
+    return [got[rank] for rank in range(1, n + 1)]
 
 
 def _stop(conns, procs) -> None:
@@ -186,5 +219,5 @@ def cpu_threads(config) -> int:
     """Torch threads per rank on CPU: the configured number, else the cores shared among the ranks."""
     if config.cpu_threads is not None:
         return config.cpu_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return max(1, (os.cpu_count() or 1) // config.ranks_per_node)
 

@@ -9,7 +9,10 @@ experts run as one op (csrc/moe_cpu.cpp: tokens grouped by expert, each expert's
 step; each row's result its own, so deterministic mode runs them); elsewhere a loop over the experts that
 got tokens, which is also the op's reference.
 Under tensor parallelism each expert's intermediate size is split like a dense MLP's (the router is
-replicated) and the partial outputs are summed once."""
+replicated) and the partial outputs are summed once.
+Each block counts the tokens it routes to each expert into a row of the model's ExpertLoad (on the driver
+rank), on the device and in place: operators read it to size the model."""
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -210,7 +213,65 @@ def sigmoid_rows(g):
     return torch.sigmoid(F.pad(g.reshape(-1), (0, -n % 64)))[:n].view(n, 1)
 
 
-class SparseMoeBlock(nn.Module):
+class MoeBlock(nn.Module):
+    """A mixture-of-experts MLP (a router and its experts), which counts what it routes where ExpertLoad gave it
+    a counter."""
+    expert_load: torch.Tensor | None = None  # [num_experts] int64, this layer's row of ExpertLoad.counts
+
+    def count_(self, ids, meta) -> None:
+        # ids: [num_tokens, top_k] -> expert_load += tokens per expert. On CUDA a graph's padding rows (slot -1)
+        # add 0; CPU batches have no padding rows, and a block called without meta counts every row.
+        if self.expert_load is None:
+            return
+        flat = ids.flatten()
+        if meta is not None and ids.is_cuda:
+            ones = (meta.slot_mapping >= 0)[:, None].expand_as(ids).flatten().long()
+        else:
+            ones = torch.ones_like(flat)
+        self.expert_load.index_add_(0, flat, ones)
+
+
+class ExpertLoad:
+    """Tokens each MoE layer routed to each expert since start (a token counts once for each of its top_k
+    experts; recomputed tokens of a preempted sequence and rejected speculative rows count too): counts
+    [num_moe_layers, num_experts] int64 on the model's device, added to by the blocks in the step, with no sync.
+    read() gives them to the host between steps: on CPU a copy; on CUDA the copy that copy_to_host enqueued
+    after the latest step, once it has landed (until then the one before: never waiting on the device)."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        blocks = [(i, layer.mlp) for i, layer in enumerate(getattr(model, "layers", ()))
+                  if isinstance(getattr(layer, "mlp", None), MoeBlock)]
+        self.layers = tuple(i for i, _ in blocks)  # their indices among the decoder layers
+        e = max((b.experts.num_experts for _, b in blocks), default=0)
+        self.counts = torch.zeros(len(blocks), e, dtype=torch.int64, device=device)
+        for row, (_, block) in zip(self.counts, blocks):
+            block.expert_load = row[:block.experts.num_experts]
+        self.on_cuda = device.type == "cuda"
+        self.host = torch.zeros_like(self.counts, device="cpu").pin_memory() if self.on_cuda else self.counts
+        self.copied = None  # CUDA: the event after the latest copy into `host`
+        self.snapshot = np.zeros(tuple(self.counts.shape), dtype=np.int64)
+
+    @torch.inference_mode()  # whichever mode made the counts, a change in this one is allowed
+    def reset(self) -> None:
+        """Forget what warm-up (and graph capture) routed."""
+        self.counts.zero_()
+
+    def copy_to_host(self) -> None:
+        if self.on_cuda:
+            self.host.copy_(self.counts, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def read(self) -> np.ndarray:
+        # -> [num_moe_layers, num_experts] int64, a copy the engine never writes again
+        if not self.on_cuda:
+            return self.counts.numpy().copy()
+        if self.copied is not None and self.copied.query():
+            self.snapshot, self.copied = self.host.numpy().copy(), None
+        return self.snapshot
+
+
+class SparseMoeBlock(MoeBlock):
     """The router and the experts; Qwen2-MoE's shared expert beside them behind a sigmoid gate."""
 
     def __init__(self, cfg, norm_topk_prob: bool, round_weights: bool, shared_expert: nn.Module | None = None):
@@ -222,9 +283,10 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None:
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
 
-    def forward(self, x):
-        # x: [num_tokens, hidden] -> [num_tokens, hidden]
+    def forward(self, x, meta=None):
+        # x: [num_tokens, hidden] -> [num_tokens, hidden]; meta: the step's AttentionMetadata (its padding rows)
         weights, ids = self.gate(x)
+        self.count_(ids, meta)
         out = self.experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + sigmoid_rows(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -92,14 +92,31 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim, self.head_dim = rotary_dim(hf_config, head_dim, layer_type), head_dim
         self.long_from = None if layer_type is not None else long_rope_from(hf_config, max_position)
+        self._table_args = (hf_config, head_dim, max_position, layer_type)
+        # built on the meta device, the model is tabled once given memory (reset_tables; arange on meta imports sympy)
+        if torch.empty(0).device.type == "meta":
+            cos = sin = torch.empty(max_position * (1 if self.long_from is None else 2), self.rotary_dim)
+        else:
+            cos, sin = self._tables(*self._table_args)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, hf_config, head_dim: int, max_position: int, layer_type: str | None):
         inv_freq, scaling = inverse_frequencies(hf_config, head_dim, layer_type)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         if self.long_from is not None:
             long_freq, _ = inverse_frequencies(hf_config, head_dim, seq_len=self.long_from + 1)
             freqs = torch.cat((freqs, torch.arange(max_position, dtype=torch.float32)[:, None] * long_freq[None, :]))
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position (x2 with LongRoPE), rotary_dim]
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        return emb.cos() * scaling, emb.sin() * scaling
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """The tables computed where they are, in their dtype: a model built on the meta device has none until
+        given memory (engine/executor/model_runner.py _load_model)."""
+        with torch.device(self.cos.device):
+            cos, sin = self._tables(*self._table_args)
+        self.cos, self.sin = cos.to(self.cos.dtype), sin.to(self.sin.dtype)
 
     def forward(self, positions, dtype) -> RopeInputs:
         # positions: [num_tokens]

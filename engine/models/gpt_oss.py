@@ -2,23 +2,23 @@
 layers beside full ones (`layer_types`), YaRN RoPE; a mixture of experts whose router takes the top k logits
 (router bias included) and a softmax over those k, with biased experts and the clamped SwiGLU. Its experts
 are loaded from float tensors (MXFP4 checkpoints are not read yet)."""
-from torch import nn
-
-from pagoda.engine.layers.moe import GptOssExperts, GptOssRouter
+from pagoda.engine.layers.moe import GptOssExperts, GptOssRouter, MoeBlock
 from pagoda.engine.models.llama import Parts
 from pagoda.engine.models.mixtral import MixtralForCausalLM, MoeDecoderLayer
 
 
-class GptOssMoeBlock(nn.Module):
+class GptOssMoeBlock(MoeBlock):
     def __init__(self, cfg):
         super().__init__()
         self.router = GptOssRouter(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok)
         self.experts = GptOssExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
                                      cfg.swiglu_limit, getattr(cfg, "swiglu_alpha", 1.702))
 
-    def forward(self, x):
+    def forward(self, x, meta=None):
         # x: [num_tokens, hidden] -> [num_tokens, hidden]
-        return self.experts(x, *self.router(x))
+        weights, ids = self.router(x)
+        self.count_(ids, meta)
+        return self.experts(x, weights, ids)
 
 
 class GptOssDecoderLayer(MoeDecoderLayer):

@@ -5,7 +5,7 @@ import re
 
 from torch import nn
 
-from pagoda.engine.layers.moe import SparseMoeBlock
+from pagoda.engine.layers.moe import MoeBlock, SparseMoeBlock
 from pagoda.engine.models.llama import LlamaAttention, LlamaForCausalLM, Parts, RMSNorm
 
 # one expert's projection in a checkpoint -> its piece of our fused weights (0 gate, 1 up, 2 down)
@@ -20,6 +20,7 @@ class MoeDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, parts, index)
         self.mlp = self.make_mlp(cfg, index)
+        self.is_moe = isinstance(self.mlp, MoeBlock)  # else a dense MLP (Qwen-MoE's mlp_only_layers)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -33,7 +34,7 @@ class MoeDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(rope, x, meta), residual)
-        return self.mlp(x), residual
+        return (self.mlp(x, meta) if self.is_moe else self.mlp(x)), residual
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

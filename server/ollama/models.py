@@ -1,6 +1,7 @@
 """The served models as Ollama describes them (/api/tags, /api/show, /api/ps): each served name and
-LoRA adapter as NAME:latest, its checkpoint's size and parameter count read from its safetensors
-files, its details and capabilities."""
+LoRA adapter as NAME:latest, its size and parameter count (the base model's weights as the engine read
+them, GGUF or safetensors; an adapter's from its safetensors files), its details (a GGUF's file type as
+the quantization level) and capabilities."""
 from __future__ import annotations
 
 import functools
@@ -42,7 +43,7 @@ def served(state, engine) -> list[tuple[str, str | None]]:
 
 def entry(engine, name: str, parent: str | None) -> dict:
     """A model as /api/tags lists it."""
-    size, _ = _weights(_path(engine, name))
+    size, _ = _stored(engine, name)
     return {"name": tagged(name), "model": tagged(name), "modified_at": _loaded_at(engine), "size": size,
             "digest": _digest(engine, name), "details": details(engine, name, parent)}
 
@@ -65,7 +66,7 @@ def show(engine, state, name: str, parent: str | None) -> dict:
     return {"license": "", "modelfile": modelfile + f"PARAMETER num_ctx {info.max_model_len}\n",
             "parameters": f"num_ctx {info.max_model_len}", "template": template_text(engine.tokenizer),
             "details": details(engine, name, parent),
-            "model_info": {"general.architecture": arch, "general.parameter_count": _weights(info.model_id)[1],
+            "model_info": {"general.architecture": arch, "general.parameter_count": info.num_parameters,
                            f"{arch}.context_length": info.max_model_len, f"{arch}.vocab_size": info.vocab_size},
             "capabilities": capabilities(engine, state), "modified_at": _loaded_at(engine)}
 
@@ -86,9 +87,8 @@ def capabilities(engine, state) -> list[str]:
 def details(engine, name: str, parent: str | None) -> dict:
     info = engine.model_info
     arch = family(info.architecture)
-    _, count = _weights(info.model_id)
-    return {"parent_model": parent or "", "format": "safetensors", "family": arch, "families": [arch],
-            "parameter_size": _human(count),
+    return {"parent_model": parent or "", "format": info.weights_format, "family": arch, "families": [arch],
+            "parameter_size": _human(info.num_parameters),
             "quantization_level": info.quantization.upper() or _DTYPES.get(info.dtype, info.dtype.upper())}
 
 
@@ -97,10 +97,12 @@ def family(architecture: str) -> str:
     return architecture.removesuffix("ForCausalLM").lower() or "unknown"
 
 
-def _path(engine, name: str) -> str:
-    """The checkpoint directory of an adapter, else of the base model."""
+def _stored(engine, name: str) -> tuple[int, int]:
+    """(bytes, parameters) of an adapter's safetensors files, else of the base model's weights."""
     adapter = engine.adapters.get(name)
-    return adapter.path if adapter is not None else engine.model_info.model_id
+    if adapter is not None:
+        return _weights(adapter.path)
+    return engine.model_info.weights_bytes, engine.model_info.num_parameters
 
 
 @functools.lru_cache(maxsize=32)

@@ -108,5 +108,6 @@ def _model_card(engine, name: str, parent: str | None = None) -> dict:
     extra = {} if parent is None else {"parent": parent, "root": engine.adapters[name].path}
     return {"id": name, "object": "model", "created": loaded, "owned_by": "pagoda", **extra,
             "max_model_len": engine.model_info.max_model_len, "dtype": engine.model_info.dtype,
+            "quantization": engine.model_info.quantization or None,
             "deterministic": engine.model_info.deterministic,
             "speculative_config": json.loads(engine.model_info.speculative_config or "null")}

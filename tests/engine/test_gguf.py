@@ -251,3 +251,88 @@ def test_bad_files_are_refused_in_one_line_naming_the_file(checkpoints, tmp_path
     with pytest.raises(ValueError, match=r"deterministic mode: .*m.gguf holds Q4_K, Q5_K, Q6_K, Q8_0 blocks, which "
                                          r"have no batch-invariant kernel yet"):
         LLM(**vars(engine_config(path, deterministic=True)))
+
+
+def test_a_tokenizer_directory_replaces_the_checkpoints_own(checkpoints, tmp_path):
+    """--tokenizer DIR: its tokenizer and chat template instead of a GGUF's embedded ones (or a safetensors
+    checkpoint's); a directory that is not there, or holds no tokenizer, refused in one line naming tokenizer."""
+    from transformers import AutoTokenizer
+    from pagoda.client.cli import build_parser
+    from pagoda.server.main import engine_config as serve_config
+
+    tok = AutoTokenizer.from_pretrained(checkpoints["qwen3"])
+    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    tok.save_pretrained(str(tmp_path / "tok"))
+    path = write_gguf(checkpoints["qwen3"], str(tmp_path / "m.gguf"))
+    args = build_parser().parse_args(["serve", path, "--tokenizer", str(tmp_path / "tok")])
+    assert serve_config(args).tokenizer == str(tmp_path / "tok")
+    chat = [{"role": "user", "content": "hi"}]
+    for model in (path, checkpoints["qwen3"]):
+        llm = LLM(**vars(engine_config(model, tokenizer=str(tmp_path / "tok"), num_kv_blocks=16)))
+        try:
+            assert llm.tokenizer.apply_chat_template(chat, tokenize=False) == "[hi]"
+            out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+            assert out.prompt_token_ids == tok.encode("[hi]", add_special_tokens=False)
+        finally:
+            llm.engine.close()
+    for tokenizer, why in [(tmp_path / "nope", "no such directory"), (tmp_path, "has no tokenizer files")]:
+        with pytest.raises(ValueError, match=why) as e:
+            LLM(**vars(engine_config(path, tokenizer=str(tokenizer))))
+        assert str(e.value).startswith(f"tokenizer '{tokenizer}'") and "\n" not in str(e.value), e.value
+
+
+def test_the_file_type_size_and_parameters_reported(checkpoints, tmp_path):
+    """What the weights are: llama.cpp's file type (general.file_type; without it, the type most matrices are
+    in), the file's bytes (every piece of a split one), the parameters it stores."""
+    from gguf import GGUFReader
+    from pagoda.engine.loader import checkpoint_weights
+
+    path = write_gguf(checkpoints["llama"], str(tmp_path / "m.gguf"), types=Q4_K_M, file_type=15)
+    llm = LLM(**vars(engine_config(path, num_kv_blocks=16)))
+    try:
+        info = llm.engine.model_info()
+    finally:
+        llm.engine.close()
+    parameters = sum(int(t.n_elements) for t in GGUFReader(path).tensors)
+    assert (info.quantization, info.weights_format, info.weights_path, info.weights_bytes, info.num_parameters) == (
+        "Q4_K_M", "gguf", path, os.path.getsize(path), parameters)
+    guessed = write_gguf(checkpoints["llama"], str(tmp_path / "g.gguf"), types=Q4_K_M, file_type=None)
+    assert checkpoint_weights(guessed)["quantization"] == "Q4_K"  # 8 of its 16 matrices
+    (tmp_path / "split").mkdir()
+    write_gguf(checkpoints["llama"], str(tmp_path / "split" / "m.gguf"), types=LEGACY, split=8, file_type=7)
+    pieces = sorted((tmp_path / "split").iterdir())
+    split = checkpoint_weights(str(pieces[0]))
+    assert split["quantization"] == "Q8_0" and split["weights_bytes"] == sum(p.stat().st_size for p in pieces)
+    assert checkpoint_weights(write_gguf(checkpoints["llama"], str(tmp_path / "f.gguf"),
+                                         file_type=1))["quantization"] == ""  # F16: weights in dtype
+    safetensors = checkpoint_weights(checkpoints["llama"])
+    assert safetensors["weights_format"] == "safetensors" and safetensors["quantization"] == ""
+    assert safetensors["weights_bytes"] == os.path.getsize(os.path.join(checkpoints["llama"], "model.safetensors"))
+
+
+def test_the_doors_report_the_file(checkpoints, tmp_path):
+    """GetModelInfo, /v1/models and Ollama's /api/tags and /api/show (through the `ollama` client) say what the
+    GGUF is: its file type as the quantization, its size and parameters."""
+    import ollama
+    from grpc_fixtures import InProcessServer, openai_client
+    from pagoda.client.client import Client
+    from pagoda.server.options import ServerOptions
+
+    path = write_gguf(checkpoints["llama"], str(tmp_path / "m.gguf"), types=Q4_K_M, file_type=15)
+    srv = InProcessServer.for_config(engine_config(path, num_kv_blocks=16),
+                                     ServerOptions(http_port=0, served_model_names=("m",))).wait_ready()
+    try:
+        with Client(srv.target, timeout=60) as c:
+            info = c.model_info()
+        assert (info.quantization, info.weights_format, info.weights_path, info.weights_bytes) == (
+            "Q4_K_M", "gguf", path, os.path.getsize(path))
+        assert openai_client(srv).models.list().data[0].model_extra["quantization"] == "Q4_K_M"
+        client = ollama.Client(host=srv.http_url, timeout=60)
+        (listed,) = client.list().models
+        assert listed.size == os.path.getsize(path) and listed.details.quantization_level == "Q4_K_M"
+        assert listed.details.format == "gguf" and listed.details.parameter_size.endswith("M")
+        shown = client.show("m")
+        assert shown.details.quantization_level == "Q4_K_M"
+        assert shown.modelinfo["general.parameter_count"] == srv.engine.model_info.num_parameters > 0
+    finally:
+        srv.stop()

@@ -104,6 +104,7 @@ def test_int4_checkpoint_matches_transformers_on_the_dequantized_weights(tmp_pat
         kind = "Q8_0" if bits == 8 else "Q4_1"
         assert {k for m in layers for k, _ in m.qweight.parts} == {kind}
         assert all((m.qweight.perm is not None) == desc_act for m in layers)
+        assert llm.engine.model_info().quantization == f"{method}-int{bits}"
         down = llm.engine.model.layers[0].mlp.down_proj.qweight  # its blocks, read back in the input's order
         got_w = torch.empty(256, 512)
         got_w[:, down.perm if desc_act else slice(None)] = cpu_ops.ops().gguf_dequantize(

@@ -49,3 +49,25 @@ def test_doors_report_the_dtype_auto_chose(monkeypatch):
         assert openai_client(srv).models.list().data[0].model_extra["dtype"] == "bfloat16"
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_is_built_on_meta_and_loads_as_one_initialised_would(tmp_path, dtype):
+    """The model is built on the meta device and given memory uninitialised (model_runner._load_model): what it
+    holds once loaded is what a model initialised on the CPU holds after the same load, buffers (rotary tables)
+    included, and a tied LM head is still the embedding's weight."""
+    from pagoda.engine.demo import build_tiny_checkpoint
+    from pagoda.engine.executor.model_runner import _load_model
+    from pagoda.engine.loader import load_hf_config, load_weights
+    from pagoda.engine.models import build_model
+
+    path = build_tiny_checkpoint(str(tmp_path / "m"), "qwen2", tie_word_embeddings=True)
+    cfg = load_hf_config(path)
+    got = _load_model(cfg, path, 0, dtype, CPU, None)
+    with torch.device("cpu"):
+        want = build_model(cfg).to(dtype)
+    load_weights(want, path)
+    assert got.lm_head.weight is got.embed_tokens.weight
+    tensors = dict(got.named_parameters()) | dict(got.named_buffers())
+    for name, t in [*want.named_parameters(), *want.named_buffers()]:
+        assert tensors[name].device == CPU and tensors[name].dtype == t.dtype and torch.equal(tensors[name], t), name
