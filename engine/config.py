@@ -29,6 +29,26 @@ CPU_LINEARS = ("onednn", "onednn-only", "mkl")
 SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/spec_decode/)
 
 
+def _json_object(value, name: str) -> dict:
+    """A JSON-valued option's object: a dict, or JSON text of one; ValueError naming the option."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
+
+
+def _known_keys(cls, value: dict, name: str) -> dict:
+    unknown = set(value) - set(cls.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join(cls.__dataclass_fields__)}")
+    return value
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/spec_decode/), in vLLM's terms; EngineConfig.speculative_config
@@ -70,20 +90,10 @@ class SpeculativeConfig:
         """From a SpeculativeConfig, a dict, a JSON string, or None (off)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        value = _json_object(value, "speculative_config")
         if "model" in value and "method" not in value:
             value = {**value, "method": "draft"}
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}; known: "
-                             f"{', '.join(cls.__dataclass_fields__)}")
-        return cls(**value)
+        return cls(**_known_keys(cls, value, "speculative_config"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -130,18 +140,7 @@ class KVEventsConfig:
         """From a KVEventsConfig, a dict, a JSON string, or None (off)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
-        unknown = set(value) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(sorted(unknown))}; known: "
-                             f"{', '.join(cls.__dataclass_fields__)}")
-        return cls(**value)
+        return cls(**_known_keys(cls, _json_object(value, "kv_events_config"), "kv_events_config"))
 
 
 # `pagoda serve` flag parsers (server/main.py builds the flags from the fields' metadata below); an

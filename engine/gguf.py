@@ -290,13 +290,10 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
     for reader, file in zip(readers, files):
         for t in reader.tensors:
             name = hf_name(t.name, arch)
-            mapped = None if name is None else model.checkpoint_name(name)
-            if mapped is None:
+            target = None if name is None else param_of(model, params, name, f"{file} (as {t.name!r})")
+            if target is None:
                 continue
-            pname, shard = mapped
-            if pname not in params:
-                raise ValueError(f"{file}: unexpected tensor {t.name!r} ({name})")
-            owner = model.get_submodule(pname.rsplit(".", 1)[0])
+            owner, pname, shard = target
             kind = t.tensor_type.name
             rows, cols = _rows(t)
             keep = (native and kind in GGUF_KERNEL_TYPES and owner.weight is params[pname]
@@ -374,6 +371,18 @@ def _check_shape(owner, pname, shard, blocks: torch.Tensor, block: tuple[int, in
     rows, cols = blocks.shape[0], blocks.shape[1] // block[1] * block[0]
     if tuple(_target(owner, param, shard, rows).shape) != (rows, cols):
         raise ValueError(f"{file}: tensor {name!r} holds [{rows}, {cols}] here, {pname} {tuple(param.shape)}")
+
+
+def param_of(model, params: dict, name: str, where: str):
+    """The parameter a checkpoint tensor fills: (owning module, parameter name, shard), or None for a tensor the
+    model skips; ValueError for one it has no place for."""
+    mapped = model.checkpoint_name(name)
+    if mapped is None:
+        return None
+    pname, shard = mapped
+    if pname not in params:
+        raise ValueError(f"unexpected tensor {name!r} in {where}")
+    return model.get_submodule(pname.rsplit(".", 1)[0]), pname, shard
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import os
 import torch
 from safetensors import safe_open
 
-from pagoda.engine.gguf import GGUFWeight, copy_into, to_blocks
+from pagoda.engine.gguf import GGUFWeight, copy_into, param_of, to_blocks
 from pagoda.engine.layers import cpu_ops
 
 log = logging.getLogger("pagoda.engine")
@@ -125,13 +125,10 @@ def load_weights(model: torch.nn.Module, path: str, qc: dict, optional: tuple[st
                 if kind in _PACKED:
                     packed.setdefault(prefix, {})[kind] = f.get_tensor(name)
                     continue
-                mapped = model.checkpoint_name(name)
-                if mapped is None:
+                target = param_of(model, params, name, os.path.basename(file))
+                if target is None:
                     continue
-                pname, shard = mapped
-                if pname not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
-                owner = model.get_submodule(pname.rsplit(".", 1)[0])
+                owner, pname, shard = target
                 copy_into(owner, pname, params[pname], shard, f.get_tensor(name).to(dtype), file, name)
                 missing.discard(pname)
     layers: dict = {}  # layer -> ({shard: ("Q4_1", blocks)}, {shard: perm})

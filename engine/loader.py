@@ -202,13 +202,10 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
     for i, file in enumerate(files):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                mapped = model.checkpoint_name(name)
-                if mapped is None:
+                target = gguf.param_of(model, params, name, os.path.basename(file))
+                if target is None:
                     continue
-                pname, shard = mapped
-                if pname not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
-                owner = model.get_submodule(pname.rsplit(".", 1)[0])
+                owner, pname, shard = target
                 if hasattr(owner, "load_weight"):  # a layer that places its own pieces (layers/moe.py Experts)
                     progress.tensor(owner.load_weight(f.get_slice(name), pname, shard))
                 else:
