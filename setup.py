@@ -34,7 +34,7 @@ def cpu_ops():
     tag = f"{torch.__version__}-{sources_digest()[:16]}".replace(".", "_").replace("+", "_").replace("-", "_")
     sources = [os.path.join(CSRC, name)
                for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp", "lora_cpu.cpp",
-                            "decoder_layer_cpu.cpp", "moe_cpu.cpp", "gguf_cpu.cpp")]
+                            "decoder_layer_cpu.cpp", "moe_cpu.cpp", "gguf_cpu.cpp", "delta_rule_cpu.cpp")]
     extensions = [CppExtension(f"pagoda.engine.layers._cpu_ops_{arch}_{tag}", sources,
                                extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math", *flags],
                                extra_link_args=["-fopenmp"],

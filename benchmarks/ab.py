@@ -9,6 +9,13 @@ process environment (read before torch starts, e.g. OMP_WAIT_POLICY).
 
     python benchmarks/ab.py --model-config qwen2.5-0.5b --num-requests 16 --input-len 128 128 --output-len 64 64 --repeats 3 \\
         --variant 'mkl={"cpu_linear": "mkl"}' --variant 'onednn={"cpu_linear": "onednn"}'
+
+A CPU without native bf16 on one that has it: oneDNN capped at AVX2 refuses bf16 as an AVX2-only CPU does
+(deterministic.computes_bf16), so --dtype bfloat16's 128-token prompt against float32's (seconds = 1 / tok/s):
+
+    E='"env": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}'
+    python benchmarks/ab.py --model-config qwen2.5-0.5b --num-requests 1 --input-len 128 128 --output-len 1 1 \\
+        --threads 2 --repeats 5 --variant "f32={\\"dtype\\": \\"float32\\", $E}" --variant "bf16={\\"dtype\\": \\"bfloat16\\", $E}"
 """
 import argparse
 import json

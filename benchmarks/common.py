@@ -27,6 +27,10 @@ MODEL_CONFIGS = {
     "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                                    rope_theta=1e6, max_position_embeddings=32768)),
+    # Qwen2.5-3B's (issue 51's larger GGUF comparison): 16 / 2 heads of 128, tied embeddings
+    "qwen2.5-3b": ("qwen2", dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                 num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True,
+                                 rope_theta=1e6, max_position_embeddings=32768)),
     # Llama-3.2-1B's: the Llama of Gemma-3-1B's size (1.24B parameters against 1.00B)
     "llama3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
@@ -45,6 +49,20 @@ MODEL_CONFIGS = {
                                   tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=131072,
                                   original_max_position_embeddings=4096, rope_scaling=dict(
                                       type="longrope", short_factor=[1.0] * 48, long_factor=[1.5] * 48))),
+    # Qwen3.5-4B's shape (three gated DeltaNet layers to one gated full-attention layer; 16 key / 32 value heads
+    # of 128 in the linear ones, 16 / 4 heads of 256 in the full ones, a quarter of each rotated); 8 of its 32
+    # layers (2 cores: a 32k prompt through all of them takes too long to measure)
+    "qwen3.5-4b-8l": ("qwen3_5", dict(vocab_size=248320, hidden_size=2560, intermediate_size=9216,
+                                      num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                                      head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                                      linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                      tie_word_embeddings=True, max_position_embeddings=262144,
+                                      rope_parameters=dict(rope_type="default", rope_theta=1e7,
+                                                           partial_rotary_factor=0.25))),
+    # Qwen3-4B's (full attention in every layer), as many layers: the long-context comparison
+    "qwen3-4b-8l": ("qwen3", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=8,
+                                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                  tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960)),
     "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5,
                                 max_position_embeddings=8192)),
@@ -210,6 +228,19 @@ def machine() -> str:
     if hasattr(os, "getloadavg"):  # the machine may be shared: a busy one gives slower, noisier numbers
         parts.append("load average %.1f %.1f %.1f" % os.getloadavg())
     return "; ".join(parts)
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """The memory read bandwidth torch's threads reach here, GB/s (1e9): the best of `repeats` sums over a
+    float32 array of `gib` GiB (far larger than any cache), the way a decode step streams its weights."""
+    import torch
+    x = torch.ones(int(gib * 2 ** 30) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
 
 
 def markdown_table(headers, rows) -> str:

@@ -14,7 +14,8 @@ contiguous tensors (the gather is not timed). Needs a CUDA GPU (exit status 2 wi
 
 --compile-only needs no GPU: it compiles every kernel variant for sm_90 (or --arch) with Triton's
 own ptxas and prints registers, register spills (stack bytes) and shared memory per variant; the
-exit status is 1 when a variant fails to compile or spills.
+exit status is 1 when a variant fails to compile or spills. It compiles the linear-attention kernels
+(engine/layers/triton_delta_rule.py: causal conv1d, gated delta rule) too.
 """
 import argparse
 import json
@@ -370,6 +371,41 @@ def capture_launches(ta, dtype, block_size):
                     ta.decode_attention(q, kc, kc, bt, cl, 0.1, var, max_context_len=4096, num_splits=num_splits)
                 ta.prefill_attention(q, kc, kc, bt, torch.zeros(5, dtype=torch.int32), cl, 0.1, 100, var)
             ta.write_kv_cache(q[:, :num_kv_heads], q[:, :num_kv_heads], kc, kc, torch.zeros(4, dtype=torch.int64))
+            # --kv-cache-dtype int8, fp8 (a scale per token and head), under 16-bit models: under float32 ones (rare
+            # on GPUs) the widened tiles still spill ~200 bytes (head size 96-128) to 3 KB (256) on sm_90
+            for kv8 in (torch.int8, torch.float8_e4m3fn) if dtype != torch.float32 else ():
+                c8, s = kc.to(kv8), dict(k_scale=torch.ones(kc.shape[:3]), v_scale=torch.ones(kc.shape[:3]))
+                for num_splits in (1, 4):
+                    ta.decode_attention(q, c8, c8, bt, cl, 0.1, max_context_len=4096, num_splits=num_splits, **s)
+                ta.prefill_attention(q, c8, c8, bt, torch.zeros(5, dtype=torch.int32), cl, 0.1, 100, **s)
+                ta.write_kv_cache(q[:, :num_kv_heads], q[:, :num_kv_heads], c8, c8, torch.zeros(4, dtype=torch.int64), **s)
+    finally:
+        JITFunction.run = run
+    return launches
+
+
+# linear-attention shapes: (num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv kernel): Qwen3.5-4B and
+# Qwen3-Next, and one with narrower, non-power-of-two value heads
+LINEAR_SHAPES = [(16, 32, 128, 128, 4), (8, 16, 64, 96, 4)]
+
+
+def capture_delta_rule_launches(dtype):
+    """As capture_launches, for triton_delta_rule's two wrappers."""
+    from triton.runtime.jit import JITFunction
+
+    from pagoda.engine.layers import triton_delta_rule as td
+
+    launches = []
+    run = JITFunction.run
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))
+    try:
+        for hk, hv, dk, dv, kernel in LINEAR_SHAPES:
+            channels, qsl, slots = 2 * hk * dk + hv * dv, torch.tensor([0, 1, 5], dtype=torch.int32), torch.arange(2)
+            x = torch.empty(5, channels, dtype=dtype)
+            td.causal_conv1d(x, torch.empty(channels, kernel, dtype=dtype), torch.empty(2, channels, kernel - 1,
+                                                                                        dtype=dtype), qsl, slots)
+            q, v, g = torch.empty(5, hk, dk, dtype=dtype), torch.empty(5, hv, dv, dtype=dtype), torch.empty(5, hv)
+            td.gated_delta_rule(q, q, v, g, g, torch.empty(2, hv, dk, dv), qsl, slots)
     finally:
         JITFunction.run = run
     return launches
@@ -424,7 +460,9 @@ def compile_only(args) -> int:
         return 2
     target = GPUTarget("cuda", args.arch, 32)
     failed, seen = 0, set()
-    for fn, launch_args, kwargs in capture_launches(ta, DTYPES[args.dtype], args.block_size):
+    launches = capture_launches(ta, DTYPES[args.dtype], args.block_size) + capture_delta_rule_launches(
+        DTYPES[args.dtype])
+    for fn, launch_args, kwargs in launches:
         try:
             kernel, consts = compile_launch(fn, launch_args, kwargs, target)
         except Exception as e:

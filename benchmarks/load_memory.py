@@ -1,5 +1,5 @@
 """Peak resident memory of loading a GGUF file's weights (engine/executor/model_runner.py _load_model), against
-the file's size. Each load runs in a subprocess of its own: its peak (getrusage ru_maxrss) less what it held
+the file's size. Each load runs in a subprocess of its own: its peak (VmHWM) less what it held
 before the load (torch imported, the config read) is the load's. `--build init` loads the way pagoda did before
 issue 51's follow-up: the float model built and initialised on the device, then its weights replaced.
 
@@ -45,12 +45,17 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
 
-path, build = sys.argv[1], sys.argv[2]
+def peak():
+    # this process's own high-water mark: ru_maxrss would count the parent's, inherited through fork and exec
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+path, build, dtype = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3])
 load = init_build if build == "init" else model_runner._load_model
 cfg = load_hf_config(path)
 before = rss()
-model = load(cfg, path, 0, torch.float32, torch.device("cpu"), None)
-print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss())
+model = load(cfg, path, 0, dtype, torch.device("cpu"), None)
+print(before, peak(), rss())
 """
 
 
@@ -69,6 +74,14 @@ def gguf_file(shape: str, types: str, root: str) -> str:
     return path
 
 
+def measure(path: str, build: str = "meta", dtype: str = "float32") -> tuple[int, int, int]:
+    """(RSS before the load, peak RSS, RSS after it), bytes, of loading the model at `path` in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", CHILD, path, build, dtype], check=True, capture_output=True,
+                         text=True).stdout.split()
+    before, peak, after = map(int, out[-3:])
+    return before, peak, after
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", nargs="+", default=["tiny", "mid"], choices=SHAPES)
@@ -83,9 +96,7 @@ def main() -> None:
         for types in args.types:
             path = gguf_file(shape, types, root)
             for build in args.build:
-                out = subprocess.run([sys.executable, "-c", CHILD, path, build], check=True, capture_output=True,
-                                     text=True).stdout.split()
-                before, peak, after = map(int, out[-3:])
+                before, peak, after = measure(path, build)
                 rows.append([shape, types, build, f"{os.path.getsize(path) / mib:.1f}", f"{before / mib:.0f}",
                              f"{(peak - before) / mib:.1f}", f"{(after - before) / mib:.1f}"])
                 print(*rows[-1], file=sys.stderr, flush=True)

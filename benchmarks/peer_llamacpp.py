@@ -2,8 +2,11 @@
 
 llama.cpp is built from the llama-cpp-python sdist on PyPI (its vendor/llama.cpp tree; the only
 download, through pip), once, into ~/.cache/pagoda/llamacpp/<version>/ ($PAGODA_CACHE moves it);
-the benchmark checkpoint is converted to GGUF (f16 or f32) with the converter shipped in that tree,
-once, next to the checkpoint. llama-server runs with `-np N -cb` (N slots: every request at once)
+the benchmark checkpoint is converted to GGUF (f16, f32 or bf16) with the converter shipped in that tree,
+once, next to the checkpoint; Q8_0 and Q4_K_M files are made from the bf16 one by its llama-quantize.
+With --pagoda-gguf pagoda serves that same file (its tokenizer: the checkpoint's), so both sides read
+the same weights, and pagoda's resident memory after loading it is measured (benchmarks/load_memory.py).
+llama-server runs with `-np N -cb` (N slots: every request at once)
 and gets the same token-id prompts as pagoda through POST /completion (cache_prompt false, greedy,
 ignore_eos, n_predict = the request's output length; every answer is checked to have generated
 exactly that many tokens). pagoda runs in this process (`LLM.generate`, prefix caching off, as
@@ -12,11 +15,16 @@ own workload; the table gives each side's median and the ratio pagoda / llama.cp
 
 The single-stream part times one request (128-token prompt, 128 new tokens by default): wall-clock
 tokens/s for both, and the decode rate (pagoda: tokens after the first over the time after the first
-token; llama.cpp: its own timings.predicted_per_second).
+token; llama.cpp: its own timings.predicted_per_second), and each as a share of the memory-bandwidth
+bound (the read bandwidth torch measures here over the file's bytes: a decode step reads every weight).
+The prompt part times one --prompt-len prompt (512 by default): pagoda's tokens over the time of a
+request for one new token, llama-server's timings.prompt_per_second. Both parts also run llama-bench
+on the file (pp<prompt-len>, tg<single-output-len>). A summary table ends the report.
 
 It is a benchmark, not a test. It needs cmake, a C++ compiler and make or ninja.
 
     python benchmarks/peer_llamacpp.py --model-config tiny --num-requests 64 --input-len 32 256 --output-len 128 128 --repeats 3 --threads 2
+    python benchmarks/peer_llamacpp.py --model-config qwen2.5-0.5b --llamacpp-weights q4_k_m --pagoda-gguf --mode all --num-requests 16 --threads 2
 """
 import argparse
 import concurrent.futures
@@ -38,7 +46,12 @@ import time
 import common
 
 DEFAULT_VERSION = "0.3.36"
-TARGETS = ("llama-server", "llama-bench", "llama-batched-bench")
+MODES = {"batch": ("batch",), "single": ("single",), "prompt": ("prompt",), "both": ("batch", "single"),
+         "all": ("batch", "single", "prompt")}
+TARGETS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-quantize")
+# the block mixes made by llama-quantize, from the converter's QUANTIZE_FROM file (as a real bf16 checkpoint is)
+QUANTIZED = {"q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+QUANTIZE_FROM = "bf16"
 
 # Runs the tree's convert_hf_to_gguf.py unchanged, except that a BPE pre-tokenizer whose hash the
 # converter does not know (ours: a locally built byte-level BPE) is written as "default" instead of
@@ -117,11 +130,17 @@ def llamacpp_tree(version: str) -> str:
 
 
 def build_llamacpp(version: str, jobs: int) -> str:
-    """Builds llama-server (and llama-bench, llama-batched-bench) once; returns the bin directory."""
+    """Builds llama-server (and llama-bench, llama-batched-bench, llama-quantize) once; returns the bin directory.
+    A build that lacks a target (made before it was added) gets just that target."""
     src = llamacpp_tree(version)
     build = os.path.join(llamacpp_dir(version), "build")
     bindir = os.path.join(build, "bin")
+    missing = [t for t in TARGETS if not os.path.exists(os.path.join(bindir, t))]
+    if not missing:
+        return bindir
     if os.path.exists(os.path.join(bindir, "llama-server")):
+        log(f"building {', '.join(missing)} in {build} ...")
+        subprocess.run(["cmake", "--build", build, "-j", str(jobs), "--target", *missing], check=True)
         return bindir
     if not shutil.which("cmake"):
         sys.exit("cmake not found (apt-get install cmake)")
@@ -156,6 +175,35 @@ def gguf_path(checkpoint: str, outtype: str, version: str) -> str:
     return f"{checkpoint.rstrip(os.sep)}.llamacpp-{version}.{outtype}.gguf"
 
 
+def gguf_file(checkpoint: str, weights: str, version: str, bindir: str) -> str:
+    """The checkpoint as a GGUF file of `weights`: the converter's floats, or QUANTIZED's mix made by
+    llama-quantize from them (once; again when the source is newer)."""
+    if weights not in QUANTIZED:
+        return convert(checkpoint, weights, version)
+    source = convert(checkpoint, QUANTIZE_FROM, version)
+    out = gguf_path(checkpoint, QUANTIZED[weights], version)
+    if os.path.exists(out) and os.path.getmtime(out) >= os.path.getmtime(source):
+        return out
+    log(f"quantizing {source} to {QUANTIZED[weights]}: {out} ...")
+    tmp = out + ".tmp"
+    proc = subprocess.run([os.path.join(bindir, "llama-quantize"), source, tmp, QUANTIZED[weights],
+                           str(os.cpu_count())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        log(proc.stdout[-5000:])
+        sys.exit(f"llama-quantize failed ({proc.returncode})")
+    os.replace(tmp, out)
+    return out
+
+
+def tensor_types(path: str) -> str:
+    """The file's tensors counted by type, most first: "Q4_K x 121, Q6_K x 25, F32 x 121"."""
+    from gguf import GGUFReader
+    counts = {}
+    for t in GGUFReader(path).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return ", ".join(f"{name} x {n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 def convert(checkpoint: str, outtype: str, version: str) -> str:
     """The checkpoint converted to GGUF by the tree's convert_hf_to_gguf.py, once (again when the
     checkpoint is newer than the file)."""
@@ -171,7 +219,10 @@ def convert(checkpoint: str, outtype: str, version: str) -> str:
     log(f"converting {checkpoint} to GGUF {outtype}: {out} ...")
     env = dict(os.environ, PYTHONPATH=os.path.join(src, "gguf-py"))
     env.pop("NO_LOCAL_GGUF", None)
-    proc = subprocess.run([sys.executable, wrapper, src, checkpoint, "--outtype", outtype, "--outfile", tmp],
+    # Qwen3.5 / Qwen3-Next: the converter expects a multi-token-prediction head, which random checkpoints lack
+    arch = json.load(open(os.path.join(checkpoint, "config.json")))["architectures"][0]
+    no_mtp = ["--no-mtp"] if arch.startswith(("Qwen3_5", "Qwen3Next")) else []
+    proc = subprocess.run([sys.executable, wrapper, src, checkpoint, "--outtype", outtype, "--outfile", tmp, *no_mtp],
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         log(proc.stdout[-5000:])
@@ -288,11 +339,11 @@ class LlamaServer:
 # ---- the two sides ----
 
 class Pagoda:
-    def __init__(self, path, args):
+    def __init__(self, path, args, tokenizer=None):
         from pagoda.engine import LLM
         # no prefix caching: llama-server runs with cache_prompt false, so both compute every prompt
-        self.llm = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device,
-                       enable_prefix_caching=False)
+        self.llm = LLM(path, tokenizer=tokenizer, dtype=args.dtype, quantization=common.quantization(args),
+                       device=args.device, enable_prefix_caching=False)
 
     def run(self, workload) -> tuple[float, list[list[int]]]:
         from pagoda.engine import SamplingParams
@@ -313,6 +364,13 @@ class Pagoda:
         decode = (n - 1) / (t1 - first) if first and t1 > first else float("nan")
         return {"wall_s": t1 - t0, "wall_tok_s": n / (t1 - t0), "decode_tok_s": decode,
                 "ttft_s": (first - t0) if first else float("nan")}
+
+    def prompt(self, ids: list[int]) -> float:
+        """Prompt tokens/s: the prompt over the time of a request for one new token."""
+        from pagoda.engine import SamplingParams
+        t0 = time.perf_counter()
+        self.llm.generate([ids], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1))
+        return len(ids) / (time.perf_counter() - t0)
 
 
 class LlamaCpp:
@@ -337,8 +395,27 @@ class LlamaCpp:
         return {"wall_s": wall, "wall_tok_s": n / wall, "decode_tok_s": float(t.get("predicted_per_second", "nan")),
                 "ttft_s": float(t.get("prompt_ms", "nan")) / 1e3}
 
+    def prompt(self, ids: list[int]) -> float:
+        """Prompt tokens/s as llama-server times it (timings.prompt_per_second)."""
+        return float(self.server.complete(ids, 1)["timings"]["prompt_per_second"])
+
     def close(self):
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def llama_bench(bindir: str, gguf: str, args, n_prompt: int, n_gen: int) -> dict:
+    """llama-bench's own figures on the file: {"pp": {...}, "tg": {...}}, tokens/s averaged over --repeats runs."""
+    cmd = [os.path.join(bindir, "llama-bench"), "-m", gguf, "-t", str(args.llama_threads), "-p", str(n_prompt),
+           "-n", str(n_gen), "-r", str(args.repeats), "-ub", str(args.llamacpp_ubatch), "-o", "json"]
+    log("running " + " ".join(cmd))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    res = {}
+    for t in json.loads(proc.stdout):
+        kind = "tg" if t["n_gen"] else "pp"
+        res[kind] = {"tokens": t["n_gen"] or t["n_prompt"], "tok_s": t["avg_ts"], "stddev_tok_s": t["stddev_ts"]}
+    return res
 
 
 def check(peer: str, outputs: list[list[int]], workload) -> None:
@@ -356,15 +433,21 @@ def parse_args(argv=None):
     common.add_model_args(p)
     common.add_workload_args(p, num_requests=64, input_len=(32, 256), output_len=(128, 128))
     p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating; medians (default 3)")
-    p.add_argument("--mode", choices=["batch", "single", "both"], default="both",
-                   help="batch: the whole workload at once; single: one request at a time (default both)")
+    p.add_argument("--mode", choices=sorted(MODES), default="both",
+                   help="batch: the whole workload at once; single: one request at a time; prompt: one prompt's "
+                        "processing (and llama-bench's); both: batch and single; all: the three (default both)")
     p.add_argument("--single-input-len", type=int, default=128, help="single-stream prompt length (default 128)")
     p.add_argument("--single-output-len", type=int, default=128, help="single-stream new tokens (default 128)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt mode's prompt length (default 512)")
+    p.add_argument("--pagoda-gguf", action="store_true",
+                   help="pagoda loads llama.cpp's GGUF file too (its tokenizer: the checkpoint's), so both read "
+                        "the same weights; also measures pagoda's resident memory after loading it")
     g = p.add_argument_group("llama.cpp")
     g.add_argument("--llamacpp-version", default=DEFAULT_VERSION,
                    help=f"llama-cpp-python sdist whose vendored llama.cpp is built (default {DEFAULT_VERSION})")
-    g.add_argument("--llamacpp-weights", choices=["f16", "f32", "bf16", "q8_0"], default="f16",
-                   help="GGUF weight type (default f16; q8_0: llama.cpp's 8-bit blocks of 32, its int8)")
+    g.add_argument("--llamacpp-weights", choices=["f16", "f32", "bf16", *QUANTIZED], default="f16",
+                   help="GGUF weight type: the converter's f16 / f32 / bf16 (default f16), or llama-quantize's "
+                        "Q8_0 (8-bit blocks of 32, llama.cpp's int8) or Q4_K_M mix from the bf16 file")
     g.add_argument("--llamacpp-kv", choices=["default", "f32"], default="default",
                    help="KV cache type: llama.cpp's default (f16) or f32 (default: default)")
     g.add_argument("--parallel", type=int, help="llama-server slots -np (default: --num-requests)")
@@ -374,12 +457,15 @@ def parse_args(argv=None):
                    help="further llama-server arguments (the rest of the command line)")
     g.add_argument("--port", type=int, help="llama-server port (default: a free one)")
     g.add_argument("--build-jobs", type=int, default=os.cpu_count(), help="parallel build jobs")
-    g.add_argument("--build-only", action="store_true", help="build llama.cpp and convert the model, then stop")
+    g.add_argument("--build-only", action="store_true",
+                   help="build llama.cpp and convert (and quantize) the model, then stop")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     common.add_results_args(p)
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
+    if args.pagoda_gguf and args.quantization != "none":
+        p.error("--pagoda-gguf computes on the file's own blocks: leave --quantization at none")
     args.parallel = args.parallel or args.num_requests
     args.llama_threads = args.threads or os.cpu_count()
     return common.finish_args(args)
@@ -391,45 +477,74 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bindir = build_llamacpp(args.llamacpp_version, args.build_jobs)
     path = common.model_path(args)
-    gguf = convert(path, args.llamacpp_weights, args.llamacpp_version)
+    gguf = gguf_file(path, args.llamacpp_weights, args.llamacpp_version, bindir)
     if args.build_only:
-        print(f"llama-server: {os.path.join(bindir, 'llama-server')}\nGGUF: {gguf}")
+        print(f"llama-server: {os.path.join(bindir, 'llama-server')}\nGGUF: {gguf} ({os.path.getsize(gguf):,} bytes; "
+              f"{tensor_types(gguf)})")
         return 0
+    modes = MODES[args.mode]
     runs, warmup = common.workloads(args, path, repeats=args.repeats)
     tokenizer = common.load_tokenizer(path)
     singles = [common.make_workload(tokenizer, 1, (args.single_input_len,) * 2, (args.single_output_len,) * 2,
                                     args.seed + 1000 + i)[0] for i in range(args.repeats)]
-    per_request = max(args.input_len[1] + args.output_len[1], args.single_input_len + args.single_output_len)
+    prompts = [common.make_workload(tokenizer, 1, (args.prompt_len,) * 2, (1, 1), args.seed + 2000 + i)[0][0]
+               for i in range(args.repeats)]
+    per_request = max(args.input_len[1] + args.output_len[1], args.single_input_len + args.single_output_len,
+                      args.prompt_len + 1 if "prompt" in modes else 0)
     n_ctx = args.parallel * per_request
     server_log = os.path.join(llamacpp_dir(args.llamacpp_version), "llama-server.log")
 
-    pagoda = Pagoda(path, args)
-    result = {"batch": None, "single": None}
+    result = {"batch": None, "single": None, "prompt": None, "llama_bench": None, "memory": None,
+              "read_bandwidth_gb_s": None}
+    if "single" in modes:  # before either side holds its weights
+        result["read_bandwidth_gb_s"] = common.read_bandwidth()
+        log(f"read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s")
+    if args.pagoda_gguf:
+        result["memory"] = load_memory(gguf, args.dtype)
+    pagoda = Pagoda(gguf, args, tokenizer=path) if args.pagoda_gguf else Pagoda(path, args)
     with LlamaServer(bindir, gguf, args, n_ctx, server_log) as server:
         llama = LlamaCpp(server, args.parallel)
         try:
             pagoda.run(warmup)
             llama.run(warmup)
-            if args.mode in ("batch", "both"):
+            if "batch" in modes:
                 result["batch"] = common.bench_batch({"pagoda": pagoda.run, "llama.cpp": llama.run}, runs, log)
-            if args.mode in ("single", "both"):
+            if "single" in modes:
                 result["single"] = bench_single(pagoda, llama, singles)
+            if "prompt" in modes:
+                result["prompt"] = bench_prompt(pagoda, llama, prompts)
         finally:
             llama.close()
+    if "single" in modes or "prompt" in modes:
+        common.settle()
+        result["llama_bench"] = llama_bench(bindir, gguf, args, args.prompt_len if "prompt" in modes else 0,
+                                            args.single_output_len if "single" in modes else 0)
     text = report(args, path, gguf, runs, result)
     print(text)
     if args.json:
         doc = {"benchmark": "peer_llamacpp", "command": common.command_line(), "machine": common.machine(),
-               "model": path, "gguf": gguf, "llamacpp_version": args.llamacpp_version,
+               "model": path, "gguf": gguf, "gguf_bytes": os.path.getsize(gguf), "pagoda_gguf": args.pagoda_gguf,
+               "llamacpp_version": args.llamacpp_version,
                "llamacpp_weights": args.llamacpp_weights, "llamacpp_kv": args.llamacpp_kv,
                "threads": args.llama_threads, "parallel": args.parallel, "num_requests": args.num_requests,
-               "input_len": args.input_len, "output_len": args.output_len, "seed": args.seed,
-               "repeats": args.repeats} | result
+               "input_len": args.input_len, "output_len": args.output_len, "prompt_len": args.prompt_len,
+               "seed": args.seed, "repeats": args.repeats} | result
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     if not args.no_results:
         common.append_results(args.results, "pagoda vs llama.cpp llama-server (benchmarks/peer_llamacpp.py)", text)
     return 0
+
+
+def load_memory(gguf: str, dtype: str) -> dict:
+    """pagoda's resident memory for the file's weights (benchmarks/load_memory.py: a load in a fresh process)."""
+    import load_memory as lm
+    before, peak, after = lm.measure(gguf, "meta", dtype)
+    res = {"file_bytes": os.path.getsize(gguf), "load_peak_bytes": peak - before, "after_load_bytes": after - before}
+    mib = 2 ** 20
+    log(f"pagoda load: peak +{res['load_peak_bytes'] / mib:.0f} MiB, after +{res['after_load_bytes'] / mib:.0f} MiB, "
+        f"file {res['file_bytes'] / mib:.0f} MiB")
+    return res
 
 
 def bench_single(pagoda: Pagoda, llama: LlamaCpp, singles) -> dict:
@@ -449,17 +564,33 @@ def bench_single(pagoda: Pagoda, llama: LlamaCpp, singles) -> dict:
     return res
 
 
+def bench_prompt(pagoda: Pagoda, llama: LlamaCpp, prompts) -> dict:
+    """Each prompt processed by each side in turn (a request for one new token); medians of prompt tokens/s."""
+    sides = {"pagoda": [], "llama.cpp": []}
+    for i, ids in enumerate(prompts):
+        for name, side in (("pagoda", pagoda), ("llama.cpp", llama)):
+            common.settle()
+            sides[name].append(side.prompt(ids))
+            log(f"{name} prompt {i + 1}/{len(prompts)}: {len(ids)} tokens at {sides[name][-1]:.1f} tok/s")
+    res = {name: {"median_tok_s": statistics.median(rs), "runs": rs} for name, rs in sides.items()}
+    res["ratio"] = res["pagoda"]["median_tok_s"] / res["llama.cpp"]["median_tok_s"]
+    return res
+
+
 def report(args, path, gguf, runs, result) -> str:
     model = args.model or f"{args.model_config} (random weights, {path})"
     workload = runs[0]
     built = build_seconds(args.llamacpp_version)
     quantized = "" if args.quantization == "none" else f" + {args.quantization} weight-only"
-    parts = [f"Model {model}; pagoda {args.device} {args.dtype}{quantized}, prefix caching off; llama.cpp "
+    weights = "the same GGUF file" if args.pagoda_gguf else "the checkpoint"
+    parts = [f"Model {model}; pagoda {args.device} {args.dtype}{quantized} on {weights}, prefix caching off; llama.cpp "
              f"{args.llamacpp_version} (llama-cpp-python sdist, built with GGML_NATIVE, {built} s build) "
              f"llama-server -np {args.parallel} -cb, {args.llamacpp_weights} weights ({os.path.basename(gguf)}), "
              f"KV {'f32' if args.llamacpp_kv == 'f32' else 'default (f16)'}, cache_prompt false. "
              f"{args.llama_threads} threads each (torch, llama-server --threads). Runs alternate, medians of "
              f"{args.repeats}."]
+    parts.append(f"File {os.path.basename(gguf)}: {os.path.getsize(gguf):,} bytes "
+                 f"({os.path.getsize(gguf) / 2 ** 20:.0f} MiB); tensors {tensor_types(gguf)}.")
     b = result["batch"]
     if b:
         parts.append(
@@ -480,7 +611,50 @@ def report(args, path, gguf, runs, result) -> str:
                 [[name, f"{s[name]['median_wall_tok_s']:.1f}", f"{s[name]['median_decode_tok_s']:.1f}",
                   f"{1e3 * s[name]['median_ttft_s']:.1f}"] for name in ("pagoda", "llama.cpp")]
                 + [["pagoda / llama.cpp", f"{s['wall_ratio']:.2f}", f"{s['decode_ratio']:.2f}", ""]]))
+    parts.append(summary(args, gguf, result))
     return "\n\n".join(parts) + "\n"
+
+
+def summary(args, gguf, result) -> str:
+    """One table of every figure measured: pagoda, llama.cpp, pagoda / llama.cpp, and issue 51's target."""
+    size = os.path.getsize(gguf)
+    rows = []
+
+    def row(figure, ours, theirs, target=""):
+        rows.append([figure, f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}", target])
+
+    b, s, pr, lb, bw, mem = (result[k] for k in ("batch", "single", "prompt", "llama_bench", "read_bandwidth_gb_s",
+                                                  "memory"))
+    if b:
+        row(f"{args.num_requests} streams: output tok/s", b["pagoda"]["median_output_tok_s"],
+            b["llama.cpp"]["median_output_tok_s"], ">= 1.3")
+    if s:
+        ours, theirs = s["pagoda"]["median_decode_tok_s"], s["llama.cpp"]["median_decode_tok_s"]
+        row("one stream: decode tok/s (llama-server)", ours, theirs, ">= 1.0")
+        if lb and "tg" in lb:
+            row(f"one stream: decode tok/s (llama-bench tg{lb['tg']['tokens']})", ours, lb["tg"]["tok_s"])
+        bound = bw * 1e9 / size
+        rows.append([f"one stream: share of the bandwidth bound ({bw:.1f} GB/s / file bytes = {bound:.1f} tok/s)",
+                     f"{100 * ours / bound:.0f}%" if args.pagoda_gguf else "(reads other weights)",
+                     f"{100 * theirs / bound:.0f}%", "", "pagoda >= 75%"])
+    if pr:
+        row(f"prompt of {args.prompt_len}: tok/s (llama-server)", pr["pagoda"]["median_tok_s"],
+            pr["llama.cpp"]["median_tok_s"], ">= 1.0")
+        if lb and "pp" in lb:
+            row(f"prompt of {args.prompt_len}: tok/s (llama-bench pp{lb['pp']['tokens']})",
+                pr["pagoda"]["median_tok_s"], lb["pp"]["tok_s"], ">= 1.0")
+    if mem:
+        rows.append(["resident memory of the weights, MiB: pagoda after load (load peak) against the file",
+                     f"{mem['after_load_bytes'] / 2 ** 20:.0f} ({mem['load_peak_bytes'] / 2 ** 20:.0f})",
+                     f"{size / 2 ** 20:.0f} (file)", f"{mem['after_load_bytes'] / size:.2f}", "about 1"])
+    if not rows:
+        return ""
+    note = (f"Summary, {os.path.basename(gguf)} ({size:,} bytes), {args.llama_threads} threads. Read bandwidth: "
+            f"torch's sum over 1 GiB of float32, best of 5. Prompt: pagoda's tokens over the time of a request for "
+            f"one new token; llama-server's timings.prompt_per_second. Memory: benchmarks/load_memory.py's load of "
+            f"the file in a fresh process (RSS over what it held before; no KV cache).")
+    return note + "\n\n" + common.markdown_table(["figure", "pagoda", "llama.cpp", "pagoda / llama.cpp", "target"],
+                                                  rows)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,16 @@
-"""Tensor parallelism's cost on this machine: offline throughput with the model split over N ranks
-against one rank, same workload, same cores (one rank with every core's threads; N ranks with the
-cores shared among them), runs alternating; where a split step's time goes on rank 0 (the model's
-collectives, sending the step to the other ranks); the bytes moved per step; and the step record
-sent over the ranks' sockets against a gloo broadcast of the same bytes.
+"""Tensor and pipeline parallelism's cost on this machine: offline throughput with the model split over N
+ranks (tensor parallel) and in P stages (pipeline parallel, one rank each) against one rank, same workload,
+same cores (one rank with every core's threads; N or P ranks with the cores shared among them), runs
+alternating; where a split step's time goes on rank 0 (the model's collectives, sending the step to the
+other ranks); the bytes moved per step; the step record sent over the ranks' sockets against a gloo
+broadcast of the same bytes; and for the pipeline, the stages' micro-batches (tokens each, the share of
+its time each stage was busy, and how many micro-batches stage 0 ran while stage 1 ran the previous one).
+
+On one machine of C cores this shows the cost of the split (messages, point-to-point sends, Python per
+micro-batch) at a fixed compute budget, never a speed-up: P stages of C/P threads do the same arithmetic as
+one rank of C threads, and on 2 cores each stage has one thread. What a pipeline buys across machines (a
+model that does not fit one, more memory for the KV cache) needs as many machines; docs/serving.md, "Across
+nodes", has the bytes per token that then cross the network.
 
     python benchmarks/tensor_parallel.py --model-config tiny --num-requests 64 --input-len 32 256 --output-len 128 128 --repeats 3
 """
@@ -91,6 +99,34 @@ def where_time_goes(llm, workload) -> dict:
             "all_gather_bytes": gather.bytes / n, "step_record_bytes": statistics.mean(sizes) if sizes else 0}
 
 
+def pipeline_detail(llm, workload) -> dict:
+    """One pipeline run: its micro-batches (from the stages' own timestamps), their tokens and boundary bytes."""
+    sizes = []
+    engine = llm.engine
+    real_submit = engine.runner.submit
+
+    def submit(sched):
+        sizes.append(sched.num_tokens)
+        return real_submit(sched)
+    engine.runner.submit = submit
+    before = len(engine.runner.pipeline_times())
+    t0 = time.monotonic()
+    try:
+        run(llm, workload)
+    finally:
+        del engine.runner.submit
+    elapsed = time.monotonic() - t0
+    times = [engine.runner.pipeline_times()] + engine.workers.call("pipeline_times")
+    times = [t[before:] for t in times]
+    busy = [sum(e - s for _, s, e in t) / elapsed for t in times]
+    first, second = times[0], times[1]
+    overlapped = sum(first[i + 1][1] < second[i][2] and second[i][1] < first[i + 1][2] for i in range(len(first) - 1))
+    tokens = statistics.mean(sizes) if sizes else 0.0
+    width = llm.engine.hf_config.hidden_size * llm.engine.dtype.itemsize
+    return {"micro_batches": len(first), "tokens": tokens, "boundary_bytes": tokens * width, "busy": busy,
+            "overlapped": overlapped / max(1, len(first) - 1)}
+
+
 def socket_vs_broadcast(nbytes: int, repeats: int = 200) -> dict:
     """Send `nbytes` to one other process: over a multiprocessing connection (what pagoda does) and as a
     gloo broadcast (length, then payload), round trips timed on this side."""
@@ -138,6 +174,7 @@ def parse_args(argv=None):
     common.add_model_args(p)
     common.add_workload_args(p, num_requests=64, input_len=(32, 256), output_len=(128, 128))
     p.add_argument("--tensor-parallel-size", type=int, default=2)
+    p.add_argument("--pipeline-parallel-size", type=int, default=2, help="stages of the pipeline run (0: none)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each, alternating; medians (default 3)")
     p.add_argument("--json", metavar="PATH")
     common.add_results_args(p)
@@ -158,24 +195,39 @@ def main(argv=None) -> int:
     split = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device,
                 enable_prefix_caching=False,
                 tensor_parallel_size=tp, cpu_threads=max(1, (args.threads or cores) // tp))
+    pp = args.pipeline_parallel_size
+    staged = LLM(path, dtype=args.dtype, quantization=common.quantization(args), device=args.device,
+                 enable_prefix_caching=False, pipeline_parallel_size=pp,
+                 cpu_threads=max(1, (args.threads or cores) // pp)) if pp > 1 else None
     try:
-        for llm in (one, split):
-            run(llm, warmup)
-        singles, splits = [], []
+        for llm in (one, split, staged):
+            if llm is not None:
+                run(llm, warmup)
+        singles, splits, stageds = [], [], []
         for workload in runs:
             singles.append(run(one, workload))
             splits.append(run(split, workload))
+            if staged is not None:
+                stageds.append(run(staged, workload))
         detail = where_time_goes(split, runs[0])
+        stages = pipeline_detail(staged, runs[0]) if staged is not None else None
     finally:
         split.engine.close()
+        if staged is not None:
+            staged.engine.close()
     record = socket_vs_broadcast(int(detail["step_record_bytes"]) or 1024)
     a, b = statistics.median(singles), statistics.median(splits)
     result = {"tp1_tok_s": a, f"tp{tp}_tok_s": b, "ratio": b / a, "detail": detail, "record": record,
               "tp1_runs": singles, f"tp{tp}_runs": splits}
     d = detail
-    body = common.markdown_table(["run", "tokens/s (median)", "ratio"], [
-        [f"1 rank, {args.threads or cores} threads", f"{a:.0f}", "1.00"],
-        [f"{tp} ranks, {max(1, (args.threads or cores) // tp)} thread(s) each", f"{b:.0f}", f"{b / a:.2f}"]])
+    rows = [[f"1 rank, {args.threads or cores} threads", f"{a:.0f}", "1.00"],
+            [f"TP {tp}: {tp} ranks, {max(1, (args.threads or cores) // tp)} thread(s) each", f"{b:.0f}", f"{b / a:.2f}"]]
+    if stages is not None:
+        c = statistics.median(stageds)
+        result.update({f"pp{pp}_tok_s": c, "pp_ratio": c / a, f"pp{pp}_runs": stageds, "pipeline": stages})
+        rows.append([f"PP {pp}: {pp} stages, {max(1, (args.threads or cores) // pp)} thread(s) each", f"{c:.0f}",
+                     f"{c / a:.2f}"])
+    body = common.markdown_table(["run", "tokens/s (median)", "ratio"], rows)
     body += (f"\n\nSplit run, rank 0, per engine step ({d['steps']} steps, {d['step_ms']:.2f} ms each): "
              f"{d['all_reduces']:.0f} all-reduces, {d['all_reduce_ms']:.2f} ms, {d['all_reduce_bytes'] / 1024:.0f} KiB; "
              f"logits all-gather {d['all_gather_ms']:.2f} ms, {d['all_gather_bytes'] / 1024:.0f} KiB (this rank's "
@@ -183,12 +235,18 @@ def main(argv=None) -> int:
              f"{d['send_ms']:.3f} ms. "
              f"That record, round trip to one other process: over the ranks' socket "
              f"{record['socket_round_trip_us']:.0f} us, as a gloo broadcast {record['gloo_broadcast_round_trip_us']:.0f} us.")
+    if stages is not None:
+        body += (f"\n\nPipeline run: {stages['micro_batches']} micro-batches of {stages['tokens']:.1f} tokens on "
+                 f"average, {stages['boundary_bytes'] / 1024:.1f} KiB across each stage boundary per micro-batch; "
+                 f"stages busy {', '.join(f'{b:.0%}' for b in stages['busy'])} of the run; stage 0 ran micro-batch "
+                 f"i+1 while stage 1 ran i for {stages['overlapped']:.0%} of them.")
     print(body)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     if not args.no_results:
-        common.append_results(args.results, f"tensor parallelism on CPU ({tp} ranks vs 1)", body)
+        common.append_results(args.results, f"tensor and pipeline parallelism on CPU (TP {tp}, PP {pp} vs 1 rank)",
+                              body)
     return 0
 
 

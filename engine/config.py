@@ -10,6 +10,7 @@ from pagoda.engine.pooling import RUNNERS, PoolerConfig
 from pagoda.engine.validation import is_int
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # engine/layers/attention.py KV_CACHE_DTYPES
 QUANTIZATIONS = ("int8", "int4")  # weight-only on CPU (engine/layers/quantization.py)
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -299,6 +300,9 @@ class EngineConfig:
             "memory for the KV cache: a size (4GiB, 512MB, 2e9; a plain integer: bytes) or a fraction in (0, 1) of "
             "the memory free once the weights are loaded (CUDA: the device's; CPU: the RAM available, within a "
             "container's limit) (default: 1GiB on CPU; on CUDA --gpu-memory-utilization)")})
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES, "help": (
+        "KV cache element type: auto: the model's dtype; int8 or fp8 (e4m3): 8 bits a value and a float32 scale "
+        "per token and KV head, about half a 16-bit cache's bytes, so about twice the sequences fit (default: auto)")})
     # None: GPU_MEMORY_UTILIZATION on CUDA; on CPU ignored (with a log line: vLLM's flag, kept for its users)
     gpu_memory_utilization: float | None = field(default=None, metadata={
         "type": _fraction, "metavar": "FRACTION", "help": (
@@ -338,6 +342,10 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={"help": (
         "split the model over this many ranks (processes; one GPU each on CUDA), which must divide its "
         "attention heads (default: 1)")})
+    # pipeline parallelism (engine/executor/pipeline.py): the layers in stages of tensor_parallel_size ranks each
+    pipeline_parallel_size: int = field(default=1, metadata={"help": (
+        "split the model's layers into this many stages, each on --tensor-parallel-size ranks of its own, with "
+        "as many batches in flight (default: 1)")})
     tp_timeout_s: float = 120.0  # a collective waiting longer for a rank (hung) fails the engine
     # multi-node tensor parallelism, vLLM's flags: the ranks split evenly over nnodes nodes; node 0 runs the
     # driver (rank 0, the doors), node k > 0 only its ranks (engine/executor/node.py), all meeting at the
@@ -403,6 +411,7 @@ class EngineConfig:
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("runner", self.runner, RUNNERS)
         if self.pooling is not None:
             PoolerConfig.parse(self.pooling)
@@ -418,6 +427,7 @@ class EngineConfig:
             _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_queue_len", self.max_queue_len)
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
                 or not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be a positive number of seconds, got {self.tp_timeout_s!r}")
@@ -448,23 +458,41 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         self._check_lora()
+        self._check_pipeline()
         if self.speculative_config is not None and self.speculative_config.model and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config: a draft model is not supported with tensor_parallel_size > 1 "
                              "(use {\"method\": \"ngram\"}, or one rank)")
 
 
     @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
+
+    def _check_pipeline(self) -> None:
+        if self.pipeline_parallel_size == 1:
+            return
+        if self.speculative_config is not None:  # proposals need the previous step's tokens, not yet back
+            raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 "
+                             "(--pipeline-parallel-size): a batch's proposals need its tokens, still in flight")
+        if self.enable_lora:
+            raise ValueError("lora_modules / allow_lora_loading are not supported with pipeline_parallel_size > 1 "
+                             "(--pipeline-parallel-size): adapter slots are not split by stage yet")
 
     def _check_nodes(self) -> None:
         _positive_int("nnodes", self.nnodes)
         if not is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank (--node-rank) must be in 0..nnodes-1 ({self.nnodes - 1}), got "
                              f"{self.node_rank!r}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} must be a multiple of nnodes "
-                             f"{self.nnodes} (--tensor-parallel-size, --nnodes): each node runs as many ranks")
+        if self.world_size % self.nnodes:
+            what, flags = ("tensor_parallel_size", "--tensor-parallel-size") if self.pipeline_parallel_size == 1 else (
+                "tensor_parallel_size x pipeline_parallel_size", "--tensor-parallel-size, --pipeline-parallel-size")
+            raise ValueError(f"{what} {self.world_size} must be a multiple of nnodes {self.nnodes} "
+                             f"({flags}, --nnodes): each node runs as many ranks")
         port = self.master_port
         if port is not None and (not is_int(port) or not 0 < port < 65536):
             raise ValueError(f"master_port (--master-port) must be a port number (1-65535), got {port!r}")
@@ -485,6 +513,8 @@ class EngineConfig:
         _positive_int("max_lora_rank", self.max_lora_rank)
         if not isinstance(self.allow_lora_loading, bool):
             raise ValueError(f"allow_lora_loading must be a bool, got {self.allow_lora_loading!r}")
+        if self.kv_cache_dtype != "auto" and self.deterministic:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is not supported with deterministic=True")
         if self.enable_lora and self.deterministic:
             raise ValueError("lora_modules / allow_lora_loading are not supported with deterministic=True")
 

@@ -70,6 +70,9 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", seed: int = 0, printab
             "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM), "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM), "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM), "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+            "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+            "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+            "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         }[arch]
         config = config_cls(**{**common, **small, **overrides})
     torch.manual_seed(seed)

@@ -131,7 +131,7 @@ def open_reader(path: str):
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(path)
+        return GGUFReader(path, mode="c")  # copy-on-write: tensors are writable views of the file, never written
     except Exception as e:  # noqa: BLE001 - truncated, corrupt: numpy's and gguf's own words
         raise ValueError(f"{path} is not a readable GGUF file ({' '.join(str(e).split()) or type(e).__name__})") \
             from None
@@ -300,7 +300,7 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
                     and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))
                     and _whole_blocks(owner, cols, GGUF_KERNEL_TYPES[kind][1]))
             if keep:
-                tensor = torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(rows, -1)
+                tensor = torch.from_numpy(t.data).view(torch.uint8).reshape(rows, -1)  # the file's: to_blocks copies
             else:
                 tensor = _float(t, dtype, file)
                 if kind not in _FLOATS:
@@ -401,15 +401,17 @@ def to_blocks(layer, shards: dict, dtype: torch.dtype) -> GGUFWeight:
     offsets = getattr(layer, "shard_offsets", None)
     order = [None] if None in shards or offsets is None else list(range(len(offsets)))
     ends = [] if offsets is None else list(offsets[1:]) + [layer.out_features]
-    parts = []
+    groups = []  # (kind, shards' tensors)
     for s in order:
-        kind, t = shards[s] if s in shards else (None, layer.weight.detach()[offsets[s]:ends[s]].clone())
+        kind, t = shards[s] if s in shards else (None, layer.weight.detach()[offsets[s]:ends[s]])
         if s is None and t.shape[0] < layer.weight.shape[0]:  # the vocabulary's last rank: zero blocks pad it
             t = torch.cat([t, t.new_zeros(layer.weight.shape[0] - t.shape[0], t.shape[1])])
-        if parts and parts[-1][0] == kind:
-            parts[-1] = (kind, torch.cat([parts[-1][1], t]))
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].append(t)
         else:
-            parts.append((kind, t))
+            groups.append((kind, [t]))
+    # one copy a part, a single shard too: the loaders' blocks may be views of a file's mapping
+    parts = [(kind, torch.cat(ts)) for kind, ts in groups]
     layer.qweight = GGUFWeight(parts, layer.weight.shape[1], dtype)
     layer.weight = None
     return layer.qweight

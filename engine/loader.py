@@ -1,10 +1,13 @@
 """Checkpoints in Hugging Face format: config and tokenizer through transformers, weights from
 safetensors (sharded or not). Pickle checkpoints are refused and no remote code runs. Under tensor
 parallelism each rank reads only the rows or columns its layers hold (engine/executor/parallel.py)."""
+import ctypes
 import glob
+import json
 import logging
 import math
 import os
+import sys
 
 import torch
 from safetensors import safe_open
@@ -102,7 +105,9 @@ def _one_line(e: BaseException) -> str:
 
 
 # multimodal checkpoints whose language model is served alone (text in, text out), as this text architecture
-LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+LANGUAGE_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                     "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                     "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
 
 def load_hf_config(path: str):
@@ -157,9 +162,19 @@ def checkpoint_weights(path: str) -> dict:
         with safe_open(file, framework="pt") as f:
             count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
     qc = int4.quantization_config(path)
+    kind = "" if qc is None else f"{qc['quant_method']}-int{qc.get('bits', qc.get('w_bit', 4))}"
+    if qc is None and _quant_method(path) == "mxfp4":  # gpt-oss's experts (engine/layers/moe.py GptOssExperts)
+        kind = "mxfp4"
     return {"weights_format": "safetensors", "weights_path": path, "weights_bytes": sum(map(os.path.getsize, files)),
-            "num_parameters": count,
-            "quantization": "" if qc is None else f"{qc['quant_method']}-int{qc.get('bits', qc.get('w_bit', 4))}"}
+            "num_parameters": count, "quantization": kind}
+
+
+def _quant_method(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return (json.load(f).get("quantization_config") or {}).get("quant_method")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class _Progress:
@@ -187,9 +202,25 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
     """The checkpoint's tensors into the model's parameters; only those named with an `optional` prefix may be
     missing."""
     if gguf.is_gguf(path):
-        return gguf.load_weights(model, path, optional)
-    if (qc := int4.quantization_config(path)) is not None:  # GPTQ / AWQ: 4-bit blocks
-        return int4.load_weights(model, path, qc, optional)
+        gguf.load_weights(model, path, optional)
+    elif (qc := int4.quantization_config(path)) is not None:  # GPTQ / AWQ: 4-bit blocks
+        int4.load_weights(model, path, qc, optional)
+    else:
+        _load_safetensors(model, path, optional)
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system: glibc keeps what the load's temporary copies freed
+    (~160 MiB after a 0.5B Q4_K_M file, resident memory 1.5x the file before, 1.1x after). Linux only."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except AttributeError:  # a libc without it (musl)
+            pass
+
+
+def _load_safetensors(model: torch.nn.Module, path: str, optional: tuple[str, ...]) -> None:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         pickles = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))

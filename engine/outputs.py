@@ -158,6 +158,8 @@ class EngineStats:
     running_adapters: tuple[str, ...] = ()  # the LoRA adapters of the running sequences, sorted
     waiting_adapters: tuple[str, ...] = ()  # the LoRA adapters of the waiting sequences, sorted
     expert_load: ExpertLoadStats | None = None  # mixtures of experts' routed tokens; None for dense models
+    num_state_slots: int = 0  # linear-attention layers' state slots (a running sequence holds one); 0: none
+    num_used_state_slots: int = 0
 
     def queue_wait_s(self, num_seqs: int = 1, num_tokens: int = 0) -> float:
         """How long `num_seqs` more sequences (holding `num_tokens` more tokens) would wait before all

@@ -175,7 +175,8 @@ def engine_config(args: argparse.Namespace):
     """The EngineConfig of the parsed flags; --cpu-threads 0: a core less than usable, over the ranks."""
     from pagoda.engine import EngineConfig
 
-    per_node = max(1, args.tensor_parallel_size // max(1, args.nnodes))
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    per_node = max(1, world // max(1, args.nnodes))
     threads = args.cpu_threads or max(1, serving_cpu_threads() // per_node)
     return from_args(EngineConfig, args, cpu_threads=threads, model=model_of(args))
 
@@ -273,7 +274,7 @@ def serve_node(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 1
     first = config.node_rank * config.ranks_per_node
-    ranks = f"ranks {first}..{first + config.ranks_per_node - 1} of {config.tensor_parallel_size}"
+    ranks = f"ranks {first}..{first + config.ranks_per_node - 1} of {config.world_size}"
     log.info("node %d of %d (%s): listening on %s:%s (port %d), grpc.health.v1 only (the API is node 0's); "
              "the ranks join node 0 at %s:%d", config.node_rank, config.nnodes, ranks, args.host, args.port, port,
              config.master_addr, config.master_port)

@@ -74,6 +74,7 @@ def stats_dict(s) -> dict:
             "adapter_requests": dict(s.adapter_requests), "adapter_generated_tokens": dict(s.adapter_tokens),
             "pooling_requests": s.num_pooling_requests, "pooling_tokens": s.num_pooling_tokens,
             "kv_groups": [vars(g) for g in s.kv_groups],
+            "state_slots_total": s.num_state_slots, "state_slots_used": s.num_used_state_slots,
             "expert_load": [{"layer": layer, "tokens": tokens}
                             for layer, tokens in (s.expert_load.per_layer() if s.expert_load is not None else ())]}
 

@@ -13,6 +13,8 @@ from pagoda.engine.demo import build_tiny_checkpoint  # noqa: E402
 
 # Tiny checkpoints of every supported family; peaky random weights (a wide init) keep greedy
 # choices far from ties, so float32 rounding differences cannot flip them.
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
 FAMILIES = {
     "llama": dict(arch="llama", initializer_range=0.3),
     "llama3": dict(arch="llama", initializer_range=0.3, rope_theta=500000.0, max_position_embeddings=1024,
@@ -54,6 +56,16 @@ FAMILIES = {
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 128,
                                      "rope_theta": 150000.0}),
+    # hybrid linear attention: three gated DeltaNet layers, then a gated full-attention one (a quarter of each
+    # head rotated); 4 value heads over 2 key heads. Qwen3.5-MoE and Qwen3-Next route 8 experts, top 2, beside a
+    # gated shared expert (Qwen3-Next: a dense first layer)
+    "qwen3_5": dict(arch="qwen3_5", initializer_range=0.3, num_hidden_layers=4, head_dim=16, **LINEAR),
+    "qwen3_5_moe": dict(arch="qwen3_5_moe", initializer_range=0.3, num_hidden_layers=4, head_dim=16, num_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                        **LINEAR),
+    "qwen3_next": dict(arch="qwen3_next", initializer_range=0.3, num_hidden_layers=4, head_dim=16, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                       mlp_only_layers=[0], **LINEAR),
 }
 
 

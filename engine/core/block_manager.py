@@ -26,7 +26,7 @@ group still reads.
 
 Pure Python over integers: no tensors here.
 """
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from pagoda.engine.core.block_hash import block_hash, none_hash
@@ -72,6 +72,8 @@ class BlockStats:
     num_wasted_slots: int  # empty slots inside held, partly filled blocks
     num_cached_blocks: int  # free blocks that still hold a reusable prefix
     num_used_blocks_by_group: tuple[int, ...] = ()  # per KV group (one entry: a single group)
+    num_state_slots: int = 0  # linear-attention state slots (0: a model without them)
+    num_used_state_slots: int = 0
 
 
 class Hits(list):
@@ -82,7 +84,7 @@ class Hits(list):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: tuple[int, ...] = (0,), hash_seed: str = ""):
+                 windows: tuple[int, ...] = (0,), hash_seed: str = "", num_state_slots: int = 0):
         self.block_size = block_size
         self.none_hash = none_hash(hash_seed)  # the parent of a sequence's first block (engine/core/block_hash.py)
         self.enable_prefix_caching = enable_prefix_caching
@@ -98,6 +100,8 @@ class BlockManager:
         self._num_cached_free = 0  # free blocks that still hold a prefix
         self._num_used = [0] * self.num_groups  # blocks held, per group
         self.events: list | None = None  # KV-cache events on: what is stored and evicted (engine/core/kv_events.py)
+        self.num_state_slots = num_state_slots  # linear-attention states, one per running sequence (0: none)
+        self.free_state_slots = deque(range(num_state_slots))
 
     @property
     def num_free_blocks(self) -> int:
@@ -181,7 +185,8 @@ class BlockManager:
         """Whether a sequence holding no blocks can get room for its first num_tokens tokens,
         reusing the cached blocks `hits` for its prefix."""
         needed = self.num_groups * (self.num_blocks_for(num_tokens) - len(hits))
-        return needed <= self.num_free_blocks - self._num_reclaimed(hits)
+        has_state = not self.num_state_slots or bool(self.free_state_slots)
+        return has_state and needed <= self.num_free_blocks - self._num_reclaimed(hits)
 
     def allocate(self, seq: Sequence, num_tokens: int, hits: Hits = Hits()) -> None:
         assert not seq.block_table, f"{seq.seq_id} already holds blocks"
@@ -194,6 +199,8 @@ class BlockManager:
             table.num_released = ids.count(NULL_BLOCK)
             self._num_released_slots += table.num_released * self.block_size
         seq.num_registered_blocks = len(hits)
+        if self.num_state_slots:
+            seq.state_slot = self.free_state_slots.popleft()
         if self.enable_prefix_caching:
             for h in self._hashes(seq, seq.num_tokens // self.block_size)[len(hits):]:
                 self.in_flight.setdefault(h, seq)
@@ -274,6 +281,9 @@ class BlockManager:
         seq.block_tables = [BlockTable()]
         seq.num_registered_blocks = 0
         self._num_slots.pop(seq.seq_id, None)
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def _take(self, block_id: int, group: int) -> None:
         """One more holder of a cached block (out of the free list if it was free)."""
@@ -319,7 +329,9 @@ class BlockManager:
         slots = sum(self._num_slots.values()) * self.num_groups - self._num_released_slots
         return BlockStats(num_total_blocks=len(self.blocks), num_free_blocks=self.num_free_blocks,
                           num_used_blocks=used, num_wasted_slots=max(0, used * self.block_size - slots),
-                          num_cached_blocks=self._num_cached_free, num_used_blocks_by_group=tuple(self._num_used))
+                          num_cached_blocks=self._num_cached_free, num_used_blocks_by_group=tuple(self._num_used),
+                          num_state_slots=self.num_state_slots,
+                          num_used_state_slots=self.num_state_slots - len(self.free_state_slots))
 
 
 def _runs(ids: list) -> list[int]:

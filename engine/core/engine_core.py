@@ -1,5 +1,6 @@
 """The engine core: loads a checkpoint, takes in requests, and steps them:
 schedule -> run -> update from output -> report."""
+import collections
 import dataclasses
 import logging
 import os
@@ -7,7 +8,7 @@ import time
 
 import torch
 
-from pagoda.engine.executor import parallel
+from pagoda.engine.executor import parallel, pipeline
 from pagoda.engine.core.block_manager import BlockManager, kv_groups
 from pagoda.engine.core.kv_events import KVEventPublisher
 from pagoda.engine.config import CPU_KV_CACHE_GB, GPU_MEMORY_UTILIZATION, MAX_NUM_BATCHED_TOKENS, EngineConfig
@@ -67,8 +68,10 @@ class EngineCore:
         self.structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
         quantization.check(config.quantization, device_of(config.device))
         deterministic.check(config, device_of(config.device), self.hf_config, self.architecture)
+        _check_hybrid(config, self.hf_config, self.architecture)
         if config.tensor_parallel_size > 1:
             parallel.check_splits(self.hf_config, config.tensor_parallel_size)
+        pipeline.check(self.hf_config, self.architecture, config.pipeline_parallel_size)
         self.draft_path = self._check_draft(config)
         drafts = [load_hf_config(self.draft_path)] if self.draft_path else []
         # a block table per group of layers with one window: a sliding group gives back the blocks behind it
@@ -95,16 +98,16 @@ class EngineCore:
         return path
 
     def _start_workers(self, config: EngineConfig, path: str) -> None:
-        """Tensor parallelism: ranks 1..N-1 start loading their shards now, alongside this one."""
+        """Tensor and pipeline parallelism: ranks 1..N-1 start loading their shards now, alongside this one."""
         self.workers = None
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             self.workers = Workers(dataclasses.replace(config, model=path), device_of(config.device))
 
     def _load_model(self, config: EngineConfig, path: str) -> None:
         t0 = time.monotonic()
         group = self.workers.group if self.workers is not None else None
         self.runner = ModelRunner(dataclasses.replace(config, model=path), 0, group, workers=self.workers,
-                                  structured=self.structured)
+                                  structured=self.structured, pipeline=getattr(self.workers, "pipeline", None))
         self.device, self.dtype = self.runner.device, self.runner.dtype
         self.draft_runner = None  # speculative decoding's draft model: a runner of its own, one rank
         if self.draft_path is not None:
@@ -126,10 +129,18 @@ class EngineCore:
         """Fill in what the checkpoint, the device and the memory budget decide."""
         if config.max_num_batched_tokens is None:
             config = dataclasses.replace(config, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS[self.device.type])
-        per_block = self.runner.kv_bytes_per_block(config.block_size, self.kv_groups)
+        per_block = self.runner.kv_bytes_per_block(config.block_size, self.kv_groups, config.kv_cache_dtype)
         if self.draft_runner is not None:
-            per_block += self.draft_runner.kv_bytes_per_block(config.block_size)
-        num_blocks = config.num_kv_blocks or self._num_blocks_from_budget(config, per_block)
+            per_block += self.draft_runner.kv_bytes_per_block(config.block_size, (), config.kv_cache_dtype)
+        budget = self._memory_budget(config)
+        state_bytes = self._reserve_states(config, budget)
+        if state_bytes and config.enable_prefix_caching:
+            log.warning("prefix caching off for %s: its linear-attention layers keep one state per sequence, not "
+                        "per token, so a cached prefix would need every such layer's state saved at each block "
+                        "boundary (%.1f MiB a block, against %.1f KiB of KV)", self.architecture,
+                        self.runner.state_bytes_per_slot() / 2**20, per_block / 2**10)
+            config = dataclasses.replace(config, enable_prefix_caching=False)
+        num_blocks = config.num_kv_blocks or int((budget - state_bytes) // per_block)
         if num_blocks < 1:
             raise ValueError("the KV memory budget holds no block; raise kv_cache_memory or set num_kv_blocks")
         model_len = _checkpoint_context(self.hf_config)
@@ -172,7 +183,19 @@ class EngineCore:
             n = max(m for m in range(max(caps) + 1) if held(m) <= num_blocks)
         return n * block_size
 
-    def _num_blocks_from_budget(self, config: EngineConfig, per_block: int) -> int:
+    def _reserve_states(self, config: EngineConfig, budget: float) -> int:
+        """Linear-attention layers: a state slot per running sequence, as many as max_num_seqs or as half the
+        memory budget holds; their bytes (0 for a model without them)."""
+        per_slot = self.runner.state_bytes_per_slot()
+        self.num_state_slots = min(config.max_num_seqs, max(1, int(budget / 2 // per_slot))) if per_slot else 0
+        if per_slot:
+            log.info("state cache: %d slots (sequences running at once) of %.1f MiB%s", self.num_state_slots,
+                     per_slot / 2**20, "" if self.num_state_slots == config.max_num_seqs else
+                     f", fewer than max_num_seqs {config.max_num_seqs}: raise kv_cache_memory for more")
+        return self.num_state_slots * per_slot
+
+    def _memory_budget(self, config: EngineConfig) -> float:
+        """Bytes for the KV cache (and linear-attention states)."""
         memory, cuda = config.kv_cache_memory, self.device.type == "cuda"
         if config.gpu_memory_utilization is not None and (memory is not None or not cuda):
             log.info("gpu_memory_utilization ignored: %s", "kv_cache_memory sizes the KV cache" if memory is not None
@@ -189,20 +212,21 @@ class EngineCore:
             budget = free * (config.gpu_memory_utilization or GPU_MEMORY_UTILIZATION) - activations
         else:
             budget = CPU_KV_CACHE_GB * 2**30
-        return int(budget // per_block)
+        return budget
 
     def _build_kv_cache(self) -> None:
         """On every rank: the attention backend, the KV cache, quantized weights."""
         t0 = time.monotonic()
-        self.runner.init_cache(self.config, self.kv_groups)  # first: this rank's errors are the ones to raise
+        self.runner.init_cache(self.config, self.kv_groups, self.num_state_slots)  # first: its errors are raised
         if self.workers is not None:
-            self.workers.call("init_cache", self.config, self.kv_groups)
+            self.workers.call("init_cache", self.config, self.kv_groups, self.num_state_slots)
         if self.draft_runner is not None:  # the same blocks: the target's block tables serve both
             self.draft_runner.init_cache(dataclasses.replace(self.config, model=self.draft_path, lora_modules=(),
                                                              allow_lora_loading=False))
-        kv = self.runner.kv_cache
+        kv = (self.runner.kv_cache, getattr(self.runner, "kv_scales", None))  # an 8-bit cache's scales beside it
         _log_phase("KV cache", t0, f"{self.config.num_kv_blocks} blocks of {self.config.block_size} tokens, "
-                                   f"{kv.numel() * kv.element_size() / 2**30:.2f} GiB, "
+                                   f"{sum(t.numel() * t.element_size() for t in kv if t is not None) / 2**30:.2f} GiB"
+                                   f"{'' if self.config.kv_cache_dtype == 'auto' else ' ' + self.config.kv_cache_dtype}, "
                                    f"{self.runner.attention_backend_name} attention")
 
     def _warm_up(self) -> None:
@@ -222,10 +246,12 @@ class EngineCore:
         # the block hashes' seed, as vLLM's: PYTHONHASHSEED's text (a router reproduces the hashes with it)
         seed = os.environ.get("PYTHONHASHSEED", "")
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching,
-                                          tuple(g.window for g in self.kv_groups), seed)
+                                          tuple(g.window for g in self.kv_groups), seed, self.num_state_slots)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
                                    self.structured, c.max_queue_wait_s, self.adapters and self.adapters.slots,
-                                   long_rope_from=(self.runner.long_rope or (None,))[0])
+                                   long_rope_from=(self.runner.long_rope or (None,))[0],
+                                   pipeline_depth=c.pipeline_parallel_size)
+        self.in_flight: collections.deque = collections.deque()  # pipeline parallelism: (batch, its _Step)
         spec = c.speculative_config
         self.speculator = Speculator(spec, c.max_model_len, self.draft_runner) if spec is not None else None
         self.kv_events = None  # KV-cache events' publisher (engine/core/kv_events.py), when on
@@ -330,7 +356,7 @@ class EngineCore:
         return step_outputs(seqs)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.structured.compiling)
+        return self.scheduler.has_work() or bool(self.structured.compiling) or bool(self.in_flight)
 
     # ---- the step ----
 
@@ -363,7 +389,10 @@ class EngineCore:
     def execute(self, sched: SchedulerOutput, failed: list[Sequence]) -> list[RequestOutput]:
         """The rest of the step: run (proposals verified and accepted in it) -> update from output ->
         report."""
-        result = self._run(sched, idle=not failed)
+        if self.config.pipeline_parallel_size > 1:  # the batch joins the pipeline; the oldest done comes out
+            sched, result = self._run_pipelined(sched, idle=not failed)
+        else:
+            result = self._run(sched, idle=not failed)
         changed = self._update_from_output(sched, result)
         self._publish_kv_events()
         return self._report(failed + changed)
@@ -405,8 +434,26 @@ class EngineCore:
             if self.structured.compiling and idle:  # nothing to run until a grammar is built: wait a little
                 self.structured.wait(0.01)
             return None
+        return self._guard_run(sched, lambda: self.runner.run(sched))
+
+    def _run_pipelined(self, sched: SchedulerOutput, idle: bool) -> tuple[SchedulerOutput, StepResult | None]:
+        """Pipeline parallelism: the batch starts (stage 0 runs it, then later stages while stage 0 runs the
+        next); once pipeline_parallel_size batches are in flight, or nothing new was scheduled, the oldest is
+        finished: that batch and its result (an empty batch and None while the pipeline fills)."""
+        if not sched.is_empty:
+            self.in_flight.append((sched, self._guard_run(sched, lambda: self.runner.submit(sched))))
+            if len(self.in_flight) < self.config.pipeline_parallel_size:
+                return SchedulerOutput(), None
+        elif not self.in_flight:
+            return sched, self._run(sched, idle)  # nothing to run
+        done, step = self.in_flight.popleft()
+        return done, None if step is None else self._guard_run(done, lambda: self.runner.collect(step))
+
+    def _guard_run(self, sched: SchedulerOutput, work):
+        """work() (a part of the model's run over sched); None if it failed (its sequences then finish with the
+        error), as _run."""
         try:
-            return self.runner.run(sched)
+            return work()
         except EngineDeadError:
             raise  # the engine cannot go on (a tensor-parallel rank is gone): fatal, not this step's alone
         except Exception as e:
@@ -498,6 +545,20 @@ class EngineCore:
                          c.speculative_config.to_json() if c.speculative_config else "", c.deterministic,
                          tuple(self.adapter_infos()), self.runner_kind, self.hf_config.hidden_size, self.pooler,
                          **weights)
+
+
+def _check_hybrid(config: EngineConfig, hf_config, architecture: str) -> None:
+    """What a model with linear-attention layers (a state per sequence, engine/layers/linear_attention.py)
+    cannot do yet, refused by name."""
+    if "linear_attention" not in (getattr(hf_config, "layer_types", None) or ()):
+        return
+    if config.speculative_config is not None:
+        raise ValueError(f"speculative_config: {architecture} has linear-attention layers, whose state takes in "
+                         f"every token a verification reads; rejected proposals cannot be taken back out of it "
+                         f"(no per-proposal state checkpoints yet): run it without speculative decoding")
+    if getattr(config, "pipeline_parallel_size", 1) > 1:
+        raise ValueError(f"pipeline_parallel_size: {architecture}'s linear-attention states are not passed "
+                         f"between stages yet: use --pipeline-parallel-size 1")
 
 
 def _log_phase(phase: str, t0: float, what: str) -> None:

@@ -46,7 +46,7 @@ def num_to_sample(seq: Sequence, num_new_tokens: int) -> int:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, structured=None, max_queue_wait_s: float | None = None, adapters=None,
-                 long_rope_from: int | None = None):
+                 long_rope_from: int | None = None, pipeline_depth: int = 1):
         self.block_manager = block_manager
         self.long_rope_from = long_rope_from  # LongRoPE: the length past which a sequence rotates by the long factors
         self.max_num_seqs = max_num_seqs
@@ -71,6 +71,11 @@ class Scheduler:
         self.finish_times: collections.deque = collections.deque(maxlen=64)
         self.adapters = adapters  # engine/lora/adapters.py AdapterSlots: LoRA slots of running sequences (None: no LoRA)
         self.adapter_tokens: dict[str, int] = {}  # LoRA adapter name -> tokens generated (metrics)
+        # pipeline parallelism: up to pipeline_depth batches in flight, each over its share of the sequences; a
+        # sequence in one (in_flight) is not scheduled again until its tokens are back (update_from_output)
+        self.pipeline_depth = pipeline_depth
+        self.in_flight: set[Sequence] = set()
+        self._batch_seats = 0
 
     def add(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:  # first time: its limits start to count
@@ -105,6 +110,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(start_time=time.monotonic())
+        self._batch_seats = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
         if self.long_rope_from is not None:
             self._switch_to_long_rope(out)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
@@ -115,6 +121,8 @@ class Scheduler:
         out.seqs = [out.seqs[i] for i in order]
         out.num_new_tokens = [out.num_new_tokens[i] for i in order]
         out.num_sampled = [num_to_sample(s, n) for s, n in zip(out.seqs, out.num_new_tokens)]
+        if self.pipeline_depth > 1:
+            self.in_flight.update(out.seqs)
         return out
 
     def add_proposals(self, out: SchedulerOutput, proposals: list[list[int]]) -> None:
@@ -139,12 +147,16 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.seqs) < self._batch_seats:
             seq = self.running[i]
+            if seq in self.in_flight:
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             n = max(1, self.block_manager.num_fitting(seq, seq.num_computed_tokens, n))
             while not self.block_manager.can_append(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]  # the newest (lowest priority) running sequence
+                # the newest (lowest priority) running sequence not in flight (seq at worst)
+                victim = next(s for s in reversed(self.running) if s not in self.in_flight)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -160,7 +172,8 @@ class Scheduler:
         # Strict order: if the head does not fit, nothing behind it jumps the queue. Except for LoRA
         # (vLLM's rule): a sequence whose adapter finds no free slot waits, and those behind it pass it.
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(out.seqs) < self._batch_seats):
             seq = self.waiting[i]
             if seq.needs_every_prompt_row:  # no cached prefix: its rows are not computed
                 hits = Hits()
@@ -194,7 +207,8 @@ class Scheduler:
         """LongRoPE: a sequence longer than long_from rotates every token by the long factors, so one that grew
         past it has its KV recomputed (as transformers' Phi-3 recomputes its cache there); its prefix-cache
         blocks are the long factors' own from then on."""
-        for seq in [s for s in self.running if s.num_tokens > self.long_rope_from and not s.long_rope]:
+        for seq in [s for s in self.running if s.num_tokens > self.long_rope_from and not s.long_rope
+                    and s not in self.in_flight]:
             self._preempt(seq, out, recompute_only=True)
         for seq in self.waiting:
             if seq.num_tokens > self.long_rope_from and not seq.long_rope:
@@ -222,6 +236,11 @@ class Scheduler:
         self.step_s += 0.2 * (now - out.start_time - self.step_s)
         specs = out.spec_tokens or [()] * len(out.seqs)
         for seq, n, k, spec in zip(out.seqs, out.num_new_tokens, out.num_sampled, specs):
+            self.in_flight.discard(seq)
+            if seq.is_finished:  # while its batch was in flight (pipeline parallelism): aborted, expired
+                if k:
+                    next(rows)  # its tokens dropped
+                continue
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens_processed += n
                 seq.times.prefill_chunks.append((out.start_time, now, n))
@@ -272,6 +291,7 @@ class Scheduler:
         when reason is ERROR."""
         if seq.is_finished:
             return
+        self.in_flight.discard(seq)
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:

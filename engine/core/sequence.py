@@ -80,6 +80,7 @@ class Sequence:
         self.block_tables = [BlockTable()]  # one per KV group (engine/core/block_manager.py), all as long
         self.block_hashes: list[int] = []  # chained content hashes of full blocks of token_ids (a memo)
         self.num_registered_blocks = 0  # leading blocks already in the prefix cache
+        self.state_slot: int | None = None  # linear-attention layers' state slot, while it holds one
         self.long_rope = False  # LongRoPE: rotated by the long factors, its length past the model's long_from
         self.logprobs: list = []
         self.prompt_logprobs: list = []  # TokenLogprob of prompt tokens 1, 2, ... (the first has no context)

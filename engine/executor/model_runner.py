@@ -1,4 +1,5 @@
 """Runs one scheduled step: builds the flat batch, runs the model, samples the next tokens."""
+import collections
 import contextlib
 import importlib.util
 import logging
@@ -14,7 +15,8 @@ from pagoda.engine.executor.batch import (decode_groups, gather, pooling_rows, p
 from pagoda.engine.executor.cuda_graphs import DecodeGraphs, capture_checked
 from pagoda.engine.errors import EngineDeadError
 from pagoda.engine.layers import cpu_attention, deterministic
-from pagoda.engine.layers.attention import Attention, AttentionMetadata
+from pagoda.engine.layers.attention import KV_CACHE_DTYPES, Attention, AttentionMetadata
+from pagoda.engine.layers.linear_attention import GatedDeltaNet, StateCache
 from pagoda.engine.layers.moe import ExpertLoad
 from pagoda.engine.layers.pooler import logit_rows, pool_step
 from pagoda.engine.layers.quantization import quantize_model_
@@ -31,6 +33,7 @@ from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.core.sequence import Sequence
 from pagoda.engine.spec_decode.acceptance import accepted_tokens, proposal_rows
 from pagoda.engine.validation import MAX_TOP_LOGPROBS
+from pagoda.engine.executor.pipeline import stage_kv_groups
 from pagoda.engine.executor.workers import cpu_threads, step_inputs
 
 log = logging.getLogger("pagoda.engine")
@@ -50,7 +53,7 @@ class ModelRunner:
     runner runs the steps; the other ranks' replay them (engine/executor/workers.py)."""
 
     def __init__(self, config: EngineConfig, rank: int = 0, group: parallel.TPGroup | None = None, *,
-                 workers=None, structured=None):
+                 workers=None, structured=None, pipeline=None):
         self.device = _place(config, rank)
         hf_config = load_hf_config(config.model)
         self.dtype = dtype_of(config.dtype, hf_config, self.device, config.deterministic)
@@ -58,7 +61,12 @@ class ModelRunner:
         # a pooling-only checkpoint (Qwen3-Embedding's 4B, 8B: its base model's weights) may have no LM head
         head_optional = (resolve_runner(config.runner, config.model) == "pooling"
                          and not pooler_config(config.model, config.pooling).classifier_from_token)
-        self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group, head_optional)
+        self.pipeline = pipeline  # engine/executor/pipeline.py Pipeline: this rank's stage, or None
+        self.model = _load_model(hf_config, config.model, config.seed, self.dtype, self.device, group, head_optional,
+                                 pipeline and pipeline.stage)
+        if pipeline is not None:
+            pipeline.bind(hf_config.hidden_size, self.dtype, self.device)
+        self._outputs_due = collections.deque()  # stage 0's other TP ranks: (tokens, logits rows) per micro-batch
         self.checkpoint_path = config.model  # a local directory here (LoRA adapters are checked against it)
         # mixtures of experts: the tokens each layer routes to each expert, counted on the driver only (the
         # engine reads rank 0's); None for dense models
@@ -74,22 +82,36 @@ class ModelRunner:
         self.structured = structured  # StructuredOutputManager: the bitmasks of constrained rows
         self.decode_graphs: DecodeGraphs | None = None  # set by use_cuda_graphs
         self.kv_cache: torch.Tensor | None = None  # set by init_cache
+        # linear-attention layers' states, a slot per running sequence (set by init_cache where the model has them)
+        self.linear_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        self.state_cache: StateCache | None = None
         self.num_kv_groups = 1  # block tables per sequence (engine/core/block_manager.py kv_groups), set with it
         self.lora: LoRAModel | None = None  # LoRA adapters' slots (set by init_cache when enabled)
         self._lora_step = None  # the step's (active slots, per-row index) for the other ranks
 
-    def kv_bytes_per_block(self, block_size: int, groups: tuple[KVGroup, ...] = ()) -> int:
-        """A block of the pool: block_size tokens of a KV group's layers (without groups: of every layer)."""
+    def kv_bytes_per_block(self, block_size: int, groups: tuple[KVGroup, ...] = (), kv_cache_dtype: str = "auto") -> int:
+        """A block of the pool: block_size tokens of a KV group's layers (without groups: of every layer); an
+        8-bit cache's a byte a value and a float32 scale per token and KV head."""
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        groups = stage_kv_groups(groups, self.model)  # this pipeline stage's layers
         n = max(len(g.layers) for g in groups) if groups else len(layers)
+        if kv_cache_dtype != "auto":
+            return 2 * n * layers[0].num_kv_heads * (layers[0].head_dim + 4) * block_size
         per_token = 2 * n * layers[0].num_kv_heads * layers[0].head_dim
         return per_token * block_size * torch.empty((), dtype=self.dtype).element_size()
 
-    def init_cache(self, config: EngineConfig, groups: tuple[KVGroup, ...] = ()) -> None:
+    def state_bytes_per_slot(self) -> int:
+        """One sequence's linear-attention states (0: a model without linear-attention layers)."""
+        return StateCache.bytes_per_slot(self.linear_layers, self.dtype)
+
+    def init_cache(self, config: EngineConfig, groups: tuple[KVGroup, ...] = (), num_state_slots: int = 0) -> None:
         """With the resolved config: the attention backend, the sampler, the KV cache (one block table per KV
-        group; without groups, all layers in one, as a draft model's share the target's first), quantization."""
+        group; without groups, all layers in one, as a draft model's share the target's first), the
+        linear-attention states, quantization."""
         model, device, dtype = self.model, self.device, self.dtype
         self.block_size = config.block_size
+        if self.linear_layers:
+            self.state_cache = StateCache(self.linear_layers, num_state_slots, dtype, device)
         head_dim = next(m.head_dim for m in model.modules() if hasattr(m, "head_dim"))
         backend = self.attention_backend = attention_backend(config.attention_backend, device, head_dim)
         if config.deterministic:
@@ -97,7 +119,7 @@ class ModelRunner:
         self.pads_decodes = backend is None  # the torch path pads decode rows to a group's longest
         fused = getattr(backend, "fused_ops", None)
         self.sampler = Sampler(config.seed, device, argmax=fused.argmax if fused is not None else None)
-        self._allocate_kv_cache(config.num_kv_blocks, backend, groups)
+        self._allocate_kv_cache(config.num_kv_blocks, backend, stage_kv_groups(groups, self.model), config.kv_cache_dtype)
         quantize_model_(model, config.quantization, parallel.Linear)
         if config.enable_lora:
             self.lora = LoRAModel(model, config.max_loras, config.max_lora_rank, dtype, device, self.checkpoint_path)
@@ -133,27 +155,38 @@ class ModelRunner:
     def attention_backend_name(self) -> str:
         return getattr(self.attention_backend, "__name__", "torch SDPA").rsplit(".", 1)[-1]
 
-    def _allocate_kv_cache(self, num_blocks: int, backend, groups: tuple[KVGroup, ...]) -> None:
+    def _allocate_kv_cache(self, num_blocks: int, backend, groups: tuple[KVGroup, ...],
+                           kv_cache_dtype: str = "auto") -> None:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         groups = groups or (KVGroup(0, tuple(range(len(layers)))),)
         self.num_kv_groups = len(groups)
         kvh, hd = layers[0].num_kv_heads, layers[0].head_dim
+        shape = (2, max(len(g.layers) for g in groups), num_blocks, self.block_size, kvh)
         # kv_cache: [2, layers per group, num_blocks, block_size, num_kv_heads, head_dim]; a block is a group's
-        self.kv_cache = torch.zeros(2, max(len(g.layers) for g in groups), num_blocks, self.block_size, kvh, hd,
-                                    dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(*shape, hd, dtype=KV_CACHE_DTYPES.get(kv_cache_dtype, self.dtype),
+                                    device=self.device)
+        # kv_scales (8-bit caches): [2, layers per group, num_blocks, block_size, num_kv_heads] float32
+        self.kv_scales = None if kv_cache_dtype == "auto" else torch.ones(*shape, device=self.device)
         for g, j, layer in ((g, j, layers[i]) for g, group in enumerate(groups) for j, i in enumerate(group.layers)):
             layer.k_cache, layer.v_cache, layer.kv_group = self.kv_cache[0, j], self.kv_cache[1, j], g
+            if self.kv_scales is not None:
+                layer.k_scale, layer.v_scale = self.kv_scales[0, j], self.kv_scales[1, j]
             if backend is not None:
                 layer.backend = backend
                 views = getattr(backend, "cache_views", None)  # a backend's own block layout
                 if views is not None:
                     layer.k_cache, layer.v_cache = views(layer.k_cache, layer.v_cache)
+                    if self.kv_scales is not None:
+                        layer.k_scale, layer.v_scale = backend.scale_views(layer.k_scale, layer.v_scale)
 
     def use_cuda_graphs(self, max_batch: int, max_model_len: int) -> bool:
         """Capture decode graphs (CUDA); False, with a warning, if they could not be used."""
         if self.num_kv_groups > 1:
             log.info("CUDA graphs off: they hold one block table, and this model's layers read %d",
                      self.num_kv_groups)
+            return False
+        if self.linear_layers:
+            log.info("CUDA graphs off: they do not capture the state slots of linear-attention layers")
             return False
         max_blocks = -(-max_model_len // self.block_size)
         self.decode_graphs = DecodeGraphs(self.model, max_batch, max_blocks, self.block_size, self.device)
@@ -181,6 +214,9 @@ class ModelRunner:
             g = self.num_kv_groups
             meta.group_slot_mapping, meta.group_decode_block_tables, meta.group_prefill_block_tables = (
                 t.expand(g, *t.shape) for t in (meta.slot_mapping, meta.decode_block_tables, blocks))
+        if self.state_cache is not None:  # slot 0, cleared again when a sequence starts in it
+            meta.state_slots = meta.state_resets = torch.zeros(1, dtype=torch.int64, device=self.device)
+            meta.query_start_loc = meta.prefill_query_start_loc
         self._eager_logits(ids, pos, meta, pos[-1:])
 
     def _eager_logits(self, input_ids, positions, meta, logits_idx=None):
@@ -191,30 +227,83 @@ class ModelRunner:
         return self.model.compute_logits(hidden if rows is None else hidden[rows])  # [num_rows, vocab]
 
     def _forward(self, input_ids, positions, meta, logits_rows: list) -> torch.Tensor:
+        return _drive(self._staged_forward(input_ids, positions, meta, logits_rows))
+
+    def _staged_forward(self, input_ids, positions, meta, logits_rows: list):
         """The model over the step's tokens, on every rank: the other ranks get the step first, with
-        the rows whose logits will be asked for (compute_logits is collective), in that order."""
+        the rows whose logits will be asked for (compute_logits is collective), in that order. A generator
+        returning the final hidden states [num_tokens, hidden]; under pipeline parallelism it yields once
+        stage 0's output is sent on, and the last stage's comes back when it is resumed."""
         if self.workers is not None:
             self.workers.call("replay", step_inputs(input_ids, positions, meta, logits_rows, self._lora_step),
                               wait=False)
-        return self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+        if self.pipeline is None:
+            return self.model(input_ids, positions, meta)  # [num_tokens, hidden]
+        self.pipeline.forward(self.model, input_ids, positions, meta)
+        yield
+        if self.pipeline.stage_ranks:  # stage 0's other TP ranks take the output too (the LM head is collective)
+            self.workers.call("take_output", wait=False, ranks=self.pipeline.stage_ranks)
+        return self.pipeline.output(len(input_ids))
 
     @torch.inference_mode()
     def replay(self, step) -> None:
-        """A tensor-parallel worker's step: the driver's forward and logits calls, results unused."""
+        """A worker's step: the driver's forward and logits calls, results unused. Under pipeline
+        parallelism this rank's stage; stage 0's logits calls wait for the driver's take_output."""
         def dev(a):
             return torch.from_numpy(a).to(self.device) if isinstance(a, np.ndarray) else a
 
         meta = AttentionMetadata(**{k: dev(v) for k, v in step.meta.items()})
         if self.lora is not None:
             self.lora.set_step(step.lora, None if step.lora is None else dev(step.lora.packed))
+        if self.pipeline is not None:
+            self.pipeline.forward(self.model, dev(step.input_ids), dev(step.positions), meta)
+            if self.pipeline.stage.first:
+                self._outputs_due.append((len(step.input_ids), step.logits_rows))
+            return
         hidden = self.model(dev(step.input_ids), dev(step.positions), meta)
-        for rows in step.logits_rows:
-            self._logits(hidden, slice(*rows) if isinstance(rows, tuple) else dev(rows))
+        self._replay_logits(hidden, step.logits_rows)
+
+    @torch.inference_mode()
+    def take_output(self) -> None:
+        """Stage 0's other TP ranks: the last stage's output of the oldest micro-batch, then its logits calls."""
+        num_tokens, rows = self._outputs_due.popleft()
+        self._replay_logits(self.pipeline.output(num_tokens), rows)
+
+    def _replay_logits(self, hidden, logits_rows: list) -> None:
+        for rows in logits_rows:
+            if isinstance(rows, np.ndarray):
+                rows = torch.from_numpy(rows).to(self.device)
+            self._logits(hidden, slice(*rows) if isinstance(rows, tuple) else rows)
+
+    def pipeline_times(self) -> list:
+        """This stage's (micro-batch, start, end) times, time.monotonic() (engine/executor/pipeline.py)."""
+        return list(self.pipeline.times) if self.pipeline is not None else []
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> "StepResult":
+        return self.collect(self.submit(sched))
+
+    @torch.inference_mode()
+    def submit(self, sched: SchedulerOutput) -> "_Step":
+        """A step begun: under pipeline parallelism, up to stage 0's output sent on (collect finishes it);
+        else the whole step."""
+        step = _Step(self._run(sched))
+        self._guarded(step.advance)
+        return step
+
+    @torch.inference_mode()
+    def collect(self, step: "_Step") -> "StepResult":
         try:
-            return self._run(sched)
+            while not step.done:
+                self._guarded(step.advance)
+            return step.result
+        finally:
+            if self.expert_load is not None:
+                self.expert_load.copy_to_host()  # CUDA: enqueued, never waited on (ExpertLoad.read)
+
+    def _guarded(self, work) -> None:
+        try:
+            work()
         except EngineDeadError:
             raise
         except Exception as e:  # the ranks are out of step now: the engine cannot go on
@@ -222,11 +311,9 @@ class ModelRunner:
                 raise
             self.workers.check(wait=1.0)  # a rank that died says so more plainly than the collective did
             raise EngineDeadError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
-        finally:
-            if self.expert_load is not None:
-                self.expert_load.copy_to_host()  # CUDA: enqueued, never waited on (ExpertLoad.read)
 
-    def _run(self, sched: SchedulerOutput) -> "StepResult":
+    def _run(self, sched: SchedulerOutput):
+        """The step, as a generator returning its StepResult (it yields where _staged_forward does)."""
         input_ids, positions, meta, logits_idx = self._prepare_inputs(sched)
         seqs, num_sampled = sched.seqs, sched.num_sampled
         sample_seqs = seqs if all(num_sampled) else sched.sampling_seqs
@@ -236,7 +323,7 @@ class ModelRunner:
         if self.structured is not None and sample_seqs and not sched.spec_tokens:
             self.structured.start_bitmasks(sample_seqs, self.device.type == "cuda")  # filled while the model runs
         if not sample_seqs and not scored and not pooling:
-            self._forward(input_ids, positions, meta, [])  # prefill chunks only: nothing to sample
+            yield from self._staged_forward(input_ids, positions, meta, [])  # prefill chunks only: nothing to sample
             return StepResult([])
         no_lora = self.lora is None or self.lora.state.gather is None  # graphs are captured without adapters
         if (graphs is not None and not scored and not pooling and no_lora
@@ -248,7 +335,8 @@ class ModelRunner:
             rows = logit_rows(pooling)  # a cross-encoder's score reads LM-head logits
             score_rows = self._to_device(np.array(rows, dtype=np.int64), torch.int64) if rows else None
             calls += [score_rows] if rows else []
-            hidden = self._forward(input_ids, positions, meta, calls + ([logits_idx] if sample_seqs else []))
+            hidden = yield from self._staged_forward(input_ids, positions, meta,
+                                                     calls + ([logits_idx] if sample_seqs else []))
             prompt_lps = [(seq, self._scored_logprobs(hidden[a:b], targets, seq.params.prompt_logprobs))
                           for seq, a, b, targets in scored]
             scores = self._logits(hidden, score_rows) if rows else None  # [len(rows), vocab]
@@ -347,11 +435,21 @@ class ModelRunner:
         num_decodes = int(np.sum(counts == 1))
         logits_idx = None if num_tokens == len(seqs) and num_sampled.all() else sample_rows(counts, num_sampled)
         meta = self._attention_metadata(slots, tables, counts, ends, num_decodes)
+        if self.state_cache is not None:
+            meta.state_slots, meta.query_start_loc, meta.state_resets = self._state_inputs(seqs, starts, counts)
         logits_idx = None if logits_idx is None else self._to_device(logits_idx, torch.int64)
         if self.lora is not None:  # the adapter rows, grouped by slot
             step = self._lora_step = step_slots([s.lora_slot for s in seqs], counts)
             self.lora.set_step(step, None if step is None else self._to_device(step.packed, torch.int64))
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), meta, logits_idx
+
+    def _state_inputs(self, seqs: list[Sequence], starts: np.ndarray, counts: np.ndarray):
+        """Each sequence's state slot [num_seqs], token offsets [num_seqs + 1], and the slots of sequences
+        starting from their first token (None: none)."""
+        slots = np.array([s.state_slot for s in seqs], dtype=np.int64)
+        loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        resets = self._to_device(slots[starts == 0], torch.int64) if (starts == 0).any() else None
+        return self._to_device(slots, torch.int64), self._to_device(loc, torch.int32), resets
 
     def _long_rope_positions(self, seqs, counts, positions) -> np.ndarray:
         """LongRoPE: a sequence longer than long_from (the scheduler's Sequence.long_rope) rotates by the long
@@ -526,6 +624,27 @@ def _logprob_lists(lp, tokens: torch.Tensor, seqs: list[Sequence]):
     return out
 
 
+class _Step:
+    """A step under way: ModelRunner._run's generator, advanced to its next yield or its end (then `result`)."""
+
+    def __init__(self, steps):
+        self.steps, self.done, self.result = steps, False, None
+
+    def advance(self) -> None:
+        try:
+            next(self.steps)
+        except StopIteration as e:
+            self.done, self.result = True, e.value
+
+
+def _drive(steps):
+    """A generator's return value, run to its end."""
+    step = _Step(steps)
+    while not step.done:
+        step.advance()
+    return step.result
+
+
 def _place(config: EngineConfig, rank: int) -> torch.device:
     """This rank's device (rank r of a CUDA tensor-parallel group: its node's GPU r % ranks per node), and
     its CPU threads."""
@@ -533,23 +652,26 @@ def _place(config: EngineConfig, rank: int) -> torch.device:
     if device.type == "cuda" and rank > 0:
         device = torch.device("cuda", rank % config.ranks_per_node)
         torch.cuda.set_device(device)
-    elif device.type == "cpu" and (config.cpu_threads is not None or config.tensor_parallel_size > 1):
+    elif device.type == "cpu" and (config.cpu_threads is not None or config.world_size > 1):
         torch.set_num_threads(cpu_threads(config))
     return device
 
 
 def _load_model(hf_config, path: str, seed: int, dtype: torch.dtype, device: torch.device,
-                group: parallel.TPGroup | None, head_optional: bool = False) -> torch.nn.Module:
+                group: parallel.TPGroup | None, head_optional: bool = False,
+                stage: parallel.Stage | None = None) -> torch.nn.Module:
     """The model (this rank's shard under tensor parallelism) with the checkpoint's weights. Built on the meta
     device and given memory uninitialised: the checkpoint writes every weight, and a layer a quantized
     checkpoint stores in blocks drops its float weight untouched, so loading never holds a float copy of it."""
     torch.manual_seed(seed)
     parallel.use_group(group)
+    parallel.use_stage(stage)  # a pipeline stage's layers only
     try:
         with torch.device("meta"), _no_random_init():
             model = build_model(hf_config).to(dtype)
     finally:
         parallel.use_group(None)
+        parallel.use_stage(None)
     _materialize(model, device)
     if head_optional:  # a pooling checkpoint may have no LM head: zeros rather than whatever memory held
         for name, p in model.named_parameters():

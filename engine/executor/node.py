@@ -1,6 +1,7 @@
-"""A node other than the driver's under multi-node tensor parallelism (EngineConfig.nnodes > 1,
-node_rank k > 0): `pagoda serve MODEL --tensor-parallel-size N --nnodes M --node-rank k --master-addr
-HOST --master-port P` runs ranks k*N/M .. (k+1)*N/M - 1 as processes (engine/executor/rank.py) that
+"""A node other than the driver's under multi-node tensor or pipeline parallelism (EngineConfig.nnodes > 1,
+node_rank k > 0): `pagoda serve MODEL --tensor-parallel-size T [--pipeline-parallel-size P] --nnodes M
+--node-rank k --master-addr HOST --master-port P` runs ranks k*N/M .. (k+1)*N/M - 1 (N = T x P ranks in
+all: with M = P, node k runs pipeline stage k) as processes (engine/executor/rank.py) that
 read from the driver's store at HOST:P where its step listener is, connect to it, build their shards
 from the driver's config and this node's copy of the checkpoint, and replay its steps. The node
 serves no API; its process only watches its ranks (server/main.py serve_node), and imports no torch:

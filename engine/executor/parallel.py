@@ -44,6 +44,37 @@ def use_group(g: TPGroup | None) -> None:
     _local.group = g or _SINGLE
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A pipeline stage (engine/executor/pipeline.py): a contiguous share of the decoder layers, split as
+    evenly as they go (the first stages one more). The first stage also holds the embedding and the LM head
+    (the driver samples), the last the final norm."""
+    index: int = 0
+    size: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        per, extra = divmod(num_layers, self.size)
+        start = self.index * per + min(self.index, extra)
+        return range(start, start + per + (self.index < extra))
+
+
+def stage() -> Stage:
+    """The pipeline stage of the model being built (set by use_stage, as the group by use_group)."""
+    return getattr(_local, "stage", None) or Stage()
+
+
+def use_stage(s: Stage | None) -> None:
+    _local.stage = s
+
+
 def check_splits(cfg, size: int) -> None:
     """ValueError, naming what does not divide, if a model of this HF config cannot be split over
     `size` ranks (the layers' own checks, run before any rank starts)."""
@@ -54,9 +85,10 @@ def check_splits(cfg, size: int) -> None:
         split(heads, "the number of attention heads")
         kv_heads(getattr(cfg, "num_key_value_heads", None) or heads)
         split(inner, "intermediate_size")
-        for moe in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # mixtures of experts
-            if getattr(cfg, moe, None):
-                split(getattr(cfg, moe), moe)
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size",  # mixtures of experts
+                     "linear_num_key_heads", "linear_num_value_heads"):  # linear attention (Qwen3.5)
+            if getattr(cfg, name, None):
+                split(getattr(cfg, name), name)
     finally:
         use_group(None)
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank's process (ranks 1..N-1; engine/executor/workers.py starts them, or on
+"""A tensor- or pipeline-parallel rank's process (ranks 1..N-1; engine/executor/workers.py starts them, or on
 another node engine/executor/node.py): its ModelRunner, built as the driver's is, then the driver's
 calls until told to stop (exit 0), or until the driver is gone (exit 1)."""
 import argparse
@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from pagoda.engine.executor import parallel
+from pagoda.engine.executor import pipeline
 from pagoda.engine.executor.model_runner import ModelRunner
-from pagoda.engine.executor.workers import AUTHKEY_KEY, LISTENER_KEY, START_TIMEOUT_S, process_group
+from pagoda.engine.executor.workers import AUTHKEY_KEY, LISTENER_KEY, START_TIMEOUT_S
 from pagoda.engine.loader import device_of
 
 log = logging.getLogger("pagoda.engine")
@@ -120,14 +120,14 @@ def _serve(runner, conn) -> int:
 
 
 def _load(config, rank: int, host: str, port: int):
-    size = config.tensor_parallel_size
-    store = torch.distributed.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    store = torch.distributed.TCPStore(host, port, config.world_size, False,
+                                       timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     device = device_of(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", rank % config.ranks_per_node)
         torch.cuda.set_device(device)
-    group = parallel.TPGroup(rank, size, process_group(store, rank, size, device, config.tp_timeout_s))
-    return store, ModelRunner(config, rank, group)
+    group, stages = pipeline.process_groups(store, rank, config, device)
+    return store, ModelRunner(config, rank, group, pipeline=stages)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Tensor-parallel ranks: the engine core is rank 0 (the driver: scheduler, block manager, sampler);
-it starts ranks 1..N-1 as processes that each build the same ModelRunner from the config and their
-rank (their shard of the model, then their KV cache), then run what the driver calls through one
-generic Workers.call(method, *args): each step, `replay`.
+"""Tensor- and pipeline-parallel ranks: the engine core is rank 0 (the driver: scheduler, block manager,
+sampler); it starts ranks 1..N-1 (N = tensor_parallel_size x pipeline_parallel_size) as processes that
+each build the same ModelRunner from the config and their rank (their shard of the model, or of their
+pipeline stage's layers: engine/executor/pipeline.py, then their KV cache), then run what the driver
+calls through one generic Workers.call(method, *args): each step, `replay`.
 
 A step goes to each worker once, before the driver's own forward, as one StepInputs record over a
 local socket (the inputs as numpy arrays, a few KB: 41 us a round trip, against 812 us as a gloo
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagoda.engine.executor import parallel
+from pagoda.engine.executor import pipeline
 from pagoda.engine.errors import EngineDeadError
 
 log = logging.getLogger("pagoda.engine")
@@ -77,13 +78,13 @@ class Workers:
 
     def __init__(self, config, device: torch.device):
         """config.model is the checkpoint's local directory; each rank builds its ModelRunner from it."""
-        size, local = config.tensor_parallel_size, config.ranks_per_node
+        size, local = config.world_size, config.ranks_per_node
         if config.node_rank:
             raise ValueError(f"node_rank {config.node_rank} runs that node's ranks, not an engine: `pagoda serve MODEL "
                              f"--node-rank {config.node_rank} ...` (only node 0 builds the engine)")
         if device.type == "cuda" and local > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {local} per node exceeds the {torch.cuda.device_count()} "
-                             f"visible CUDA devices")
+            raise ValueError(f"{local} ranks per node (tensor_parallel_size x pipeline_parallel_size / nnodes) "
+                             f"exceed the {torch.cuda.device_count()} visible CUDA devices")
         host = config.master_addr if config.nnodes > 1 else "127.0.0.1"
         self.store = torch.distributed.TCPStore(host, config.master_port or 0, size, True, wait_for_workers=False,
                                                 timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
@@ -108,15 +109,16 @@ class Workers:
         self._finalizer = weakref.finalize(self, _stop, self.conns, self.procs)
         for rank, conn in enumerate(self.conns, 1):
             conn.send((config, self.store.port))
-        self.group = parallel.TPGroup(0, size, process_group(self.store, 0, size, device, config.tp_timeout_s))
+        self.group, self.pipeline = pipeline.process_groups(self.store, 0, config, device)
 
-    def call(self, method: str, *args, wait: bool = True) -> list:
-        """Every other rank runs its ModelRunner's method(*args) (the driver runs its own); with wait,
-        their results in rank order. A step is sent without waiting: the collectives keep the ranks
-        in step, and a reply would cost a round trip per step."""
+    def call(self, method: str, *args, wait: bool = True, ranks: range | None = None) -> list:
+        """Every other rank (or those of `ranks`) runs its ModelRunner's method(*args) (the driver runs its
+        own); with wait, their results in rank order. A step is sent without waiting: the collectives keep
+        the ranks in step, and a reply would cost a round trip per step."""
         if not wait:
             self.check()
-        for conn in self.conns:
+        conns = self.conns if ranks is None else [self.conns[r - 1] for r in ranks]
+        for conn in conns:
             try:
                 conn.send((method, args, wait))
             except (OSError, ValueError):
@@ -124,7 +126,8 @@ class Workers:
                     continue  # its reply says why (or that it exited)
                 self.check()
                 raise EngineDeadError("a tensor-parallel rank is gone") from None
-        return [self._reply(rank, conn) for rank, conn in enumerate(self.conns, 1)] if wait else []
+        return [self._reply(rank, conn) for rank, conn in enumerate(self.conns, 1)
+                if ranks is None or rank in ranks] if wait else []
 
     def _reply(self, rank: int, conn):
         try:

@@ -56,6 +56,11 @@ class AttentionMetadata:
     group_slot_mapping: torch.Tensor | None = None  # [num_groups, num_tokens]
     group_decode_block_tables: torch.Tensor | None = None  # [num_groups, num_decodes, max_blocks]
     group_prefill_block_tables: torch.Tensor | None = None  # [num_groups, num_prefills, max_blocks]
+    # Models with linear-attention layers (engine/layers/linear_attention.py): each sequence's state slot, and
+    # where its tokens start (decodes included); None without such layers
+    state_slots: torch.Tensor | None = None  # [num_seqs] int64
+    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
+    state_resets: torch.Tensor | None = None  # [k] int64: slots of sequences starting now (cleared first)
 
     def of_group(self, group: int) -> "AttentionMetadata":
         """The step as the layers of KV group `group` see it: their slots and block tables."""
@@ -101,29 +106,59 @@ def sdpa(q, k, v, **kwargs):
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    # k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
+# --kv-cache-dtype: the 8-bit caches. Each token's K (and V) of each KV head is stored as 8-bit values and
+# one float32 scale, its absolute max / the format's largest value (no calibration; an outlier token or
+# head costs only its own precision). auto: the model's dtype, no scales.
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_KV_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [num_tokens, num_kv_heads, head_dim] -> (values in dtype, same shape; scales [num_tokens, num_kv_heads]
+    float32), x ~ values * scales (the C++ op's write computes the same bits)."""
+    x = x.float()
+    amax = x.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / _KV_MAX[dtype], 1.0)
+    y = (x / scale[..., None]).clamp(-_KV_MAX[dtype], _KV_MAX[dtype])
+    return (y.round() if dtype == torch.int8 else y).to(dtype), scale
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    # k, v: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+    # scales (8-bit caches): [num_blocks, block_size, num_kv_heads] float32
     if slot_mapping.device.type == "cpu":  # skip padding slots (< 0); on CUDA that check would sync
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping.long(), k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping.long(), v)
+    slots = slot_mapping.long()
+    if k_scale is not None:  # copied as bytes: torch has no index_copy_ for fp8
+        (k, ks), (v, vs) = (quantize_kv(x, k_cache.dtype) for x in (k, v))
+        k_scale.view(-1, k_scale.shape[2]).index_copy_(0, slots, ks)
+        v_scale.view(-1, v_scale.shape[2]).index_copy_(0, slots, vs)
+        k, v, k_cache, v_cache = (x.view(torch.int8) for x in (k, v, k_cache, v_cache))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    # -> [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]; padded entries read block 0
-    num_seqs = block_tables.shape[0]
-    blocks = cache.index_select(0, block_tables.clamp(min=0).flatten().long())  # faster than cache[tables]
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, scale=None, dtype=None) -> torch.Tensor:
+    # -> [num_seqs, max_blocks * block_size, num_kv_heads, head_dim]; padded entries read block 0.
+    # An 8-bit cache comes back dequantized to `dtype` (scale: its [num_blocks, block_size, num_kv_heads]).
+    num_seqs, index = block_tables.shape[0], block_tables.clamp(min=0).flatten().long()
+    if scale is None:
+        blocks = cache.index_select(0, index)  # faster than cache[tables]
+    else:  # selected as bytes: torch has no index_select for fp8
+        blocks = cache.view(torch.int8).index_select(0, index).view(cache.dtype)
+        blocks = (blocks.float() * scale.index_select(0, index)[..., None]).to(dtype)
     return blocks.view(num_seqs, -1, *cache.shape[2:])
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, variant: Variant = PLAIN):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, variant: Variant = PLAIN,
+                     k_scale=None, v_scale=None):
     # q: [num_seqs, num_heads, head_dim] -> out: same shape
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    k = _gather(k_cache, block_tables).transpose(1, 2)  # [S, kvh, L, D]
-    v = _gather(v_cache, block_tables).transpose(1, 2)
+    k = _gather(k_cache, block_tables, k_scale, q.dtype).transpose(1, 2)  # [S, kvh, L, D]
+    v = _gather(v_cache, block_tables, v_scale, q.dtype).transpose(1, 2)
     k_pos = torch.arange(k.shape[2], device=q.device)[None, :]
     mask = k_pos < context_lens[:, None]  # [S, L]
     if variant.window:
@@ -151,7 +186,7 @@ def _attend(q, k, v, mask, scale, softcap: float = 0.0, sinks=None):
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
-                      variant: Variant = PLAIN):
+                      variant: Variant = PLAIN, k_scale=None, v_scale=None):
     # q: [num_tokens, num_heads, head_dim] flat over sequences -> out: same shape
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -160,8 +195,8 @@ def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, contex
     local_idx = torch.arange(num_tokens, device=q.device) - query_start_loc[seq_idx]
     q_pad = q.new_zeros(num_seqs, max_query_len, num_heads, head_dim)
     q_pad[seq_idx, local_idx] = q
-    k = _gather(k_cache, block_tables).transpose(1, 2)  # [S, kvh, L, D]
-    v = _gather(v_cache, block_tables).transpose(1, 2)
+    k = _gather(k_cache, block_tables, k_scale, q.dtype).transpose(1, 2)  # [S, kvh, L, D]
+    v = _gather(v_cache, block_tables, v_scale, q.dtype).transpose(1, 2)
     q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_query_len, device=q.device)  # [S, Q]
     k_pos = torch.arange(k.shape[2], device=q.device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]; padded query rows see >= 1 key
@@ -191,6 +226,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.variant = variant
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+        self.k_scale = self.v_scale = None  # an 8-bit cache's scales (KV_CACHE_DTYPES), bound with it
         self.kv_group = 0  # the KV group whose block tables map its cache (set with the cache)
         self.backend = TORCH_BACKEND
 
@@ -199,23 +235,24 @@ class Attention(nn.Module):
         b = self.backend
         if self.kv_group:
             meta = meta.of_group(self.kv_group)
-        b.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        kv = {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        b.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **kv)
         nd = meta.num_decode_tokens
         groups = meta.decode_groups if b is TORCH_BACKEND and meta.decode_groups else ((0, nd, None),)
         extra = () if self.variant.is_plain else (self.variant,)
         if nd == q.shape[0] and len(groups) == 1:  # decodes only, one call: its output is the layer's
             return b.decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                      meta.decode_context_lens, self.scale, *extra)
+                                      meta.decode_context_lens, self.scale, *extra, **kv)
         out = torch.empty_like(q)
         for start, end, width in groups if nd else ():
             out[start:end] = b.decode_attention(q[start:end], self.k_cache, self.v_cache,
                                                 meta.decode_block_tables[start:end, :width],
-                                                meta.decode_context_lens[start:end], self.scale, *extra)
+                                                meta.decode_context_lens[start:end], self.scale, *extra, **kv)
         if nd == q.shape[0]:
             return out
         out[nd:] = b.prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables,
                                        meta.prefill_query_start_loc, meta.prefill_context_lens, self.scale,
-                                       meta.max_query_len, *extra)
+                                       meta.max_query_len, *extra, **kv)
         return out
 
 

@@ -31,24 +31,33 @@ def cache_views(k_cache, v_cache):
             v_cache.view(num_blocks, num_kv_heads, block_size, head_dim))
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+def scale_views(k_scale, v_scale):
+    """The op's layout of an 8-bit cache's scales (engine/layers/attention.py quantize_kv), over the same memory
+    as the standard [num_blocks, block_size, num_kv_heads]: [num_blocks, num_kv_heads, block_size], a block's
+    keys' scales contiguous, as their scores are."""
+    num_blocks, block_size, num_kv_heads = k_scale.shape
+    return k_scale.view(num_blocks, num_kv_heads, block_size), v_scale.view(num_blocks, num_kv_heads, block_size)
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     # k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64 (< 0: skipped)
-    ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, variant: Variant = PLAIN):
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, variant: Variant = PLAIN,
+                     k_scale=None, v_scale=None):
     # q: [num_seqs, num_heads, head_dim], one token per sequence -> out: same shape
     return ops().paged_attention(q, k_cache, v_cache, block_tables, None, context_lens, scale, False,
-                                 *variant.op_args)
+                                 *variant.op_args, k_scale, v_scale)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
-                      variant: Variant = PLAIN):
+                      variant: Variant = PLAIN, k_scale=None, v_scale=None):
     # q: [num_tokens, num_heads, head_dim] flat over sequences -> out: same shape
     least = sdpa_min_tokens(q.shape[2])
-    if least is None or max_query_len < least or not variant.is_plain:
+    if least is None or max_query_len < least or not variant.is_plain or k_scale is not None:  # 8-bit: the op only
         return ops().paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, False,
-                                     *variant.op_args)
+                                     *variant.op_args, k_scale, v_scale)
     starts, lens = query_start_loc.tolist(), context_lens.tolist()  # CPU tensors: no sync to pay
     fresh = [i for i, n in enumerate(lens) if starts[i + 1] - starts[i] == n >= least]
     if not fresh:
@@ -79,4 +88,4 @@ def _sequence_kv(k_cache, v_cache, block_table, n: int):
     return k[:, :n], v[:, :n]
 
 
-__all__ = ["is_available", "fused_ops", "cache_views", "write_kv_cache", "decode_attention", "prefill_attention"]
+__all__ = ["is_available", "fused_ops", "cache_views", "scale_views", "write_kv_cache", "decode_attention", "prefill_attention"]

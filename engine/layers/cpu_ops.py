@@ -1,7 +1,8 @@
 """pagoda's C++ ops for CPU (csrc/): paged attention and its cache write, fused RMSNorm (with
 the residual add before it), SiLU-and-mul and rotary embedding, the greedy argmax, float32 linear
 layers for a few rows (csrc/linear_cpu.cpp), LoRA adapters' per-row updates (csrc/lora_cpu.cpp),
-mixture-of-experts layers' experts (csrc/moe_cpu.cpp) and linear layers over GGUF blocks (csrc/gguf_cpu.cpp).
+mixture-of-experts layers' experts (csrc/moe_cpu.cpp), linear layers over GGUF blocks (csrc/gguf_cpu.cpp)
+and linear-attention layers' causal conv1d and gated delta rule (csrc/delta_rule_cpu.cpp).
 They run in torch's intra-op threads.
 
 They are compiled when pagoda is installed (setup.py: one library for AVX-512 machines, one for AVX2,
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = [os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "linear_cpu.cpp",
                                                    "lora_cpu.cpp", "decoder_layer_cpu.cpp", "moe_cpu.cpp",
-                                                   "gguf_cpu.cpp")]
+                                                   "gguf_cpu.cpp", "delta_rule_cpu.cpp")]
 # per CPU capability torch reports, so that a build cache shared between machines stays valid
 _ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                "AVX2": ["-mavx2", "-mfma", "-mf16c"]}
@@ -125,6 +126,11 @@ def ops():
         if "error" in _state:
             raise RuntimeError(f"pagoda's CPU ops could not be built: {_state['error']}")
         return _state["ops"]
+
+
+def loaded():
+    """torch.ops.pagoda if already built and loaded, else None (never builds)."""
+    return _state.get("ops")
 
 
 def is_available(device: torch.device) -> tuple[bool, str]:

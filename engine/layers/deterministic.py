@@ -24,7 +24,9 @@ import bisect
 import logging
 
 import torch
+import torch.nn.functional as F
 
+from pagoda.engine import loader
 from pagoda.engine.layers.attention import PLAIN
 
 log = logging.getLogger("pagoda.engine")
@@ -104,13 +106,16 @@ class PackedLinear:
     CPU linear layers outside deterministic mode (EngineConfig.cpu_linear, pack_linears_): measured
     faster than torch's default GEMM at the decode and prefill sizes of a 0.5B model, in float32 and bf16."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-        self.bias = None if bias is None else bias.detach().contiguous()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None = None):
+        self.dtype = dtype or weight.dtype  # computed in; x and the result stay in theirs
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.dtype).contiguous(), None)
+        self.bias = None if bias is None else bias.detach().to(self.dtype).contiguous()
         self.op = torch.ops.mkldnn._linear_pointwise.default
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in] -> [num_tokens, out]
+        if x.dtype != self.dtype:
+            return self(x.to(self.dtype)).to(x.dtype)
         m = x.shape[0]
         size = padded_rows(m)
         return self._run(x.contiguous()) if size == m else self._run(zero_padded(x, size))[:m]
@@ -124,6 +129,28 @@ class PackedLinear:
             return self.op(x, self.weight, self.bias, "none", [], "")
         finally:
             torch.set_num_threads(threads)
+
+
+class WidenedLinear:
+    """bfloat16 weights computed on in float32, each call widening its layer's weight (pack_linears_ without
+    a second copy, on a CPU where bf16 is not native): no memory beyond the bf16 weights but one layer's
+    float32 copy while it runs."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias  # the layer's own, not copies
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in] bf16 -> [num_tokens, out] bf16
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def computes_bf16() -> bool:
+    """Whether bfloat16 linears compute in bf16 here: the CPU has native bf16 (loader.native_bf16) and oneDNN
+    may use it (not capped below AVX-512 by ONEDNN_MAX_CPU_ISA). Elsewhere oneDNN emulates bf16 (2-3x float32's
+    time at a 128-token prefill, AVX-512 without bf16) or cannot pack it at all (AVX2 only), leaving torch's
+    bf16 GEMM, ~100x float32's: pack_linears_ then computes calls of many rows in float32 over bf16 weights."""
+    return loader.native_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class BatchInvariantLinear(PackedLinear):
@@ -220,16 +247,20 @@ def pack_linears_(model: torch.nn.Module, keep_weights: bool = False) -> int:
     unless an embedding shares it; with `keep_weights` (pagoda's CPU ops bound) a second copy serves calls
     of a few rows: float32 packed in panels (cpu_ops.PanelLinear, up to its `rows`), bfloat16 column-major
     for the few-row op (up to parallel.FEW_ROWS_PACKED rows): twice the weights' memory, for 1.1-2x on
-    those calls. Layers oneDNN cannot pack (int8, float16, bf16 without AVX-512) keep torch's GEMM.
-    Returns how many were packed."""
+    those calls. Layers oneDNN cannot pack (int8, float16) keep torch's GEMM. bfloat16 where bf16 is not
+    native (computes_bf16): a float32 copy packed (with `keep_weights`: 6 bytes a weight beside float32's 8,
+    prompts at float32's speed), else WidenedLinear (the bf16 weights only). Returns how many were packed."""
     from pagoda.engine.executor import parallel
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    widen = not computes_bf16()  # decided once, for the CPU
     count = 0
     for m in model.modules():
         if isinstance(m, parallel.Linear) and m.weight is not None and m.weight.dtype != torch.float16:
+            in_float32 = widen and m.weight.dtype == torch.bfloat16
             try:
                 with torch.no_grad():
-                    m.packed = PackedLinear(m.weight, m.bias)
+                    m.packed = (WidenedLinear(m.weight, m.bias) if in_float32 and not keep_weights else
+                                PackedLinear(m.weight, m.bias, torch.float32 if in_float32 else None))
             except RuntimeError:
                 continue
             if id(m.weight) in embedded:
@@ -239,7 +270,7 @@ def pack_linears_(model: torch.nn.Module, keep_weights: bool = False) -> int:
                 with torch.no_grad():
                     m.panels = PanelLinear(m.weight, m.bias)
                 m.weight = None
-            elif keep_weights:  # stored transposed, the few-row op's fast layout
+            elif keep_weights or isinstance(m.packed, WidenedLinear):  # stored transposed, the few-row op's fast layout
                 m.weight.data = m.weight.data.t().contiguous().t()
             else:
                 m.weight = None

@@ -8,17 +8,29 @@ W^T contiguous: the CPU op's layout, and a plain GEMM for torch). On CPU with pa
 experts run as one op (csrc/moe_cpu.cpp: tokens grouped by expert, each expert's weights read once a
 step; each row's result its own, so deterministic mode runs them); elsewhere a loop over the experts that
 got tokens, which is also the op's reference.
+Quantized experts stay quantized in memory, row-major, and the op dequantizes them in registers: int8 with a
+scale per output row (`--quantization int8`, quantize_int8_), and gpt-oss's MXFP4 as its checkpoints ship it
+(blocks of 32 FP4 e2m1 values, two to a byte, with an 8-bit exponent: dequantize_mxfp4). The torch loop
+dequantizes one expert at a time; on GPU, or without pagoda's ops, MXFP4 experts are widened at load.
 Under tensor parallelism each expert's intermediate size is split like a dense MLP's (the router is
 replicated) and the partial outputs are summed once.
 Each block counts the tokens it routes to each expert into a row of the model's ExpertLoad (on the driver
 rank), on the device and in place: operators read it to size the model."""
+import logging
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagoda.engine.executor import parallel
+from pagoda.engine.layers import cpu_ops
 from pagoda.engine.layers.activation import activation
+
+log = logging.getLogger("pagoda.engine")
+# FP4 e2m1 codes (transformers' integrations/mxfp4.py FP4_VALUES) and 2^(e - 127) for each exponent byte
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+MXFP4_SCALES = torch.pow(2.0, torch.arange(256, dtype=torch.float64) - 127).float()
 
 
 def num_experts(cfg) -> int:
@@ -67,6 +79,26 @@ class Router(ReplicatedLinear):
         return weights, ids
 
 
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks: [..., K / 32, 16] uint8 (value 2j in the low nibble of byte j, 2j + 1 in the high one), scales:
+    [..., K / 32] uint8 exponents -> [..., K] in dtype: fp4 * 2^(scale - 127), as transformers dequantizes."""
+    lut, s = FP4_VALUES.to(blocks.device), MXFP4_SCALES.to(blocks.device)[scales.long()]
+    w = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)  # [..., K/32, 32]
+    return (w * s[..., None]).flatten(-2).to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [..., K] float (K a multiple of 32) -> (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8),
+    round to nearest FP4 code under each block's power-of-two scale (its largest magnitude at most 6)."""
+    w = w.float().unflatten(-1, (-1, 32))
+    amax = w.abs().amax(-1).clamp(min=2.0 ** -126)
+    e = (torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127) + 127).to(torch.uint8)
+    scaled = w / MXFP4_SCALES[e.long()][..., None]
+    codes = (scaled.abs()[..., None] - FP4_VALUES[:8]).abs().argmin(-1).to(torch.uint8)  # magnitudes' codes
+    codes |= (scaled < 0).to(torch.uint8) << 3
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), e
+
+
 def _k_major(*shape: int) -> torch.Tensor:
     """An [E, out, in] tensor with each expert's [in, out] transpose contiguous."""
     e, out, inp = shape
@@ -85,19 +117,59 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(_k_major(num_experts, hidden, n))  # [E, H, I]
         self.act, self.is_silu = activation(act) if act else None, act == "silu"  # None: the subclass's act_mul
         self.gate_up_proj_bias = self.down_proj_bias = None  # gpt-oss has them
+        self.int8 = None  # quantize_int8_: (gate_up [E, 2I, H], its scales [E, 2I], down [E, H, I], its scales [E, H])
         self.tp = parallel.group()
 
     def act_mul(self, gate, up):
         return self.act(gate) * up
 
+    def swiglu(self) -> dict:
+        """The op's activation arguments (none: SiLU-and-mul)."""
+        return {}
+
+    def operands(self) -> tuple:
+        """(w13, w2, s13, s2): the weights the op computes on, as they are stored, and their scales."""
+        if self.int8 is not None:
+            return self.int8[0], self.int8[2], self.int8[1], self.int8[3]
+        return self.gate_up_proj, self.down_proj, None, None
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's weights in dtype: gate_up [2I, H], down [H, I] (dequantized where stored quantized)."""
+        if self.int8 is not None:
+            q13, s13, q2, s2 = self.int8
+            return (q13[e].to(dtype) * s13[e, :, None].to(dtype)), (q2[e].to(dtype) * s2[e, :, None].to(dtype))
+        return self.gate_up_proj[e], self.down_proj[e]
+
     def forward(self, x, weights, ids):
         # x: [num_tokens, hidden]; weights, ids: [num_tokens, top_k] -> [num_tokens, hidden]
         out = torch.zeros_like(x)
-        if self.fused_ops is not None and self.is_silu:
-            self.fused_ops.moe_experts_(out, x, self.gate_up_proj, self.down_proj, weights, ids)
+        if self.fused_ops is not None and (self.is_silu or self.swiglu()):
+            w13, w2, s13, s2 = self.operands()
+            self.fused_ops.ops().moe_experts_(out, x, w13, w2, weights, ids, s13, s2, self.gate_up_proj_bias,
+                                              self.down_proj_bias, **self.swiglu())
         else:
             self.loop_(out, x, weights, ids)
         return parallel.all_reduce(out, self.tp)
+
+    @torch.no_grad()
+    def quantize_int8_(self) -> bool:
+        """Float experts to int8 with a scale per output row (engine/layers/quantization.py quantize_int8), row-major
+        for the op; False where they stay as they are (quantized already, or a size not a multiple of 16)."""
+        from pagoda.engine.layers.quantization import quantize_int8
+
+        if self.gate_up_proj is None or self.int8 is not None or self.gate_up_proj.shape[2] % 16 \
+                or self.intermediate_size % 16:
+            return False
+        parts = []
+        for w in (self.gate_up_proj, self.down_proj):  # an expert at a time: no second copy of the int8 weights
+            q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+            s = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(self.num_experts):
+                q[e], s[e] = quantize_int8(w[e])
+            parts += [q, s]
+        self.int8 = tuple(parts)
+        self.gate_up_proj = self.down_proj = None
+        return True
 
     def loop_(self, out, x, weights, ids, ops=None):
         """out += each token's routing-weighted expert outputs, expert by expert (ascending): the torch path,
@@ -114,10 +186,11 @@ class Experts(nn.Module):
             start += c
             tokens = pairs // ids.shape[1]
             if ops is None:
-                gate_up = x[tokens] @ self.gate_up_proj[e].t()  # [c, 2I]
+                w13, w2 = self.expert(e, x.dtype)
+                gate_up = x[tokens] @ w13.t()  # [c, 2I]
                 if self.gate_up_proj_bias is not None:
                     gate_up = gate_up + self.gate_up_proj_bias[e]
-                h = self.act_mul(*gate_up.chunk(2, dim=-1)) @ self.down_proj[e].t()  # [c, hidden]
+                h = self.act_mul(*gate_up.chunk(2, dim=-1)) @ w2.t()  # [c, hidden]
                 if self.down_proj_bias is not None:
                     h = h + self.down_proj_bias[e]
             else:
@@ -165,31 +238,64 @@ class GptOssRouter(ReplicatedLinear):
 class GptOssExperts(Experts):
     """gpt-oss's experts: biases on both projections and the clamped SwiGLU ((up + 1) * gate * sigmoid(alpha *
     gate), gate clamped above and up on both sides at swiglu_limit). Stored gate | up like Experts (the
-    checkpoint interleaves them: [E, H, 2I], gate in the even columns); the torch loop computes them (the CPU
-    op has no biases or clamps yet)."""
+    checkpoint interleaves them: [E, H, 2I], gate in the even columns). With mxfp4 (the checkpoint's
+    quantization_config) the experts are its `*_blocks` [E, rows, K / 32, 16] and `*_scales` [E, rows, K / 32]
+    uint8 as shipped (gate | up rows de-interleaved), never widened on CPU with pagoda's ops; elsewhere each
+    projection is widened to the model's dtype as soon as its blocks and scales are both read."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float, alpha: float):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float, alpha: float,
+                 mxfp4: bool = False):
         super().__init__(num_experts, hidden, intermediate, None)
         n = self.intermediate_size
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * n))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))  # rank 0's; zeros elsewhere
         self.limit, self.alpha = limit, alpha
+        if mxfp4:
+            if hidden % 32 or n % 32:
+                raise ValueError(f"gpt-oss MXFP4 experts: hidden size {hidden} and the intermediate size per rank {n} "
+                                 f"must be multiples of 32 (the format's blocks)")
+            u8 = lambda *shape: nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)  # noqa
+            self.gate_up_proj_blocks, self.gate_up_proj_scales = u8(num_experts, 2 * n, hidden // 32, 16), \
+                u8(num_experts, 2 * n, hidden // 32)
+            self.down_proj_blocks, self.down_proj_scales = u8(num_experts, hidden, n // 32, 16), \
+                u8(num_experts, hidden, n // 32)
+            self.gate_up_proj = self.down_proj = None
+            self.read = set()  # the MXFP4 tensors read, while widening waits for a projection's pair
 
     def act_mul(self, gate, up):
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def forward(self, x, weights, ids):
-        return parallel.all_reduce(self.loop_(torch.zeros_like(x), x, weights, ids), self.tp)
+    def swiglu(self) -> dict:
+        return {"swiglu_alpha": self.alpha, "swiglu_limit": self.limit}
+
+    def operands(self) -> tuple:
+        if self.gate_up_proj is None and self.int8 is None:
+            return self.gate_up_proj_blocks, self.down_proj_blocks, self.gate_up_proj_scales, self.down_proj_scales
+        return super().operands()
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gate_up_proj is None and self.int8 is None:
+            return (dequantize_mxfp4(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], dtype),
+                    dequantize_mxfp4(self.down_proj_blocks[e], self.down_proj_scales[e], dtype))
+        return super().expert(e, dtype)
 
     @torch.no_grad()
     def load_weight(self, whole, pname: str, shard) -> torch.Tensor:
         """The checkpoint's fused tensors: gate_up_proj [E, H, 2I] and its bias [E, 2I] (gate | up
-        interleaved), down_proj [E, I, H] and its bias [E, H]; this rank's share."""
+        interleaved), down_proj [E, I, H] and its bias [E, H]; with MXFP4 the projections' blocks and scales
+        (their rows the outputs, gate | up rows interleaved; down's inputs in blocks of 32); this rank's share."""
         n = self.intermediate_size
         a = self.tp.rank * n
-        if pname.endswith(("gate_up_proj", "gate_up_proj_bias")):
+        if pname.endswith(("_blocks", "_scales")):  # MXFP4 (the model has these only with mxfp4)
+            if pname.endswith(("gate_up_proj_blocks", "gate_up_proj_scales")):
+                t = whole[:, 2 * a:2 * (a + n)]
+                t = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)  # rows gate | up
+            else:
+                t = whole[:, :, a // 32:(a + n) // 32]
+            target = getattr(self, pname.rsplit(".", 1)[-1])
+        elif pname.endswith(("gate_up_proj", "gate_up_proj_bias")):
             t = whole[..., 2 * a:2 * (a + n)]
             t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)  # [..., 2n]: gate | up
             target = self.gate_up_proj.transpose(1, 2) if pname.endswith("proj") else self.gate_up_proj_bias
@@ -199,10 +305,44 @@ class GptOssExperts(Experts):
             t, target = whole[:], self.down_proj_bias
             if self.tp.rank:
                 t = torch.zeros_like(t)
-        if target.shape != t.shape:
-            raise ValueError(f"shape mismatch for {pname}: checkpoint {tuple(t.shape)}, model {tuple(target.shape)}")
+        if target is None or target.shape != t.shape:
+            raise ValueError(f"shape mismatch for {pname}: checkpoint {tuple(t.shape)}, model "
+                             f"{None if target is None else tuple(target.shape)}")
         target.copy_(t)
+        if pname.endswith(("_blocks", "_scales")):
+            self._widen_where_needed(pname.rsplit(".", 1)[-1])
         return t
+
+    def _widen_where_needed(self, name: str) -> None:
+        """On GPU, or on CPU without pagoda's ops: once a projection's blocks and scales are both read, the
+        projection in the model's dtype (k-major, as Experts holds it) in place of its MXFP4 tensors."""
+        device = self.down_proj_bias.device
+        if device.type == "cpu" and cpu_ops.is_available(device)[0]:
+            return
+        proj = name.rsplit("_", 1)[0]  # gate_up_proj or down_proj
+        self.read.add(name)
+        if not {f"{proj}_blocks", f"{proj}_scales"} <= self.read:
+            return
+        dtype = self.down_proj_bias.dtype
+        blocks, scales = getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales")
+        w = torch.empty(blocks.shape[0], blocks.shape[2] * 32, blocks.shape[1], dtype=dtype, device=device)
+        for e in range(w.shape[0]):  # an expert at a time: its float32 temporaries only
+            w[e] = dequantize_mxfp4(blocks[e], scales[e], dtype).t()
+        setattr(self, proj, nn.Parameter(w.transpose(1, 2), requires_grad=False))  # [E, rows, K], k-major
+        setattr(self, f"{proj}_blocks", None)
+        setattr(self, f"{proj}_scales", None)
+        _log_widening(device, dtype)
+
+
+_WIDENED: set = set()  # (device type, dtype) logged once a process
+
+
+def _log_widening(device: torch.device, dtype: torch.dtype) -> None:
+    if (device.type, dtype) not in _WIDENED:
+        _WIDENED.add((device.type, dtype))
+        why = "pagoda's MXFP4 kernel runs on CPU" if device.type != "cpu" else "pagoda's C++ ops are not built"
+        log.info("gpt-oss MXFP4 experts widened to %s at load on %s (%s)", str(dtype).removeprefix("torch."),
+                 device.type, why)
 
 
 def sigmoid_rows(g):

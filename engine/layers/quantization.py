@@ -150,6 +150,10 @@ def quantize_model_(model: torch.nn.Module, quantization: str | None, linear: ty
     multiple = 32 if quantization == "int4" else _K_MULTIPLE
     log.info("%s weight-only: %d linear layers quantized%s", quantization, count,
              f", {skipped} kept in float (input size not a multiple of {multiple})" if skipped else "")
+    if quantization == "int8":  # mixtures of experts' experts (engine/layers/moe.py Experts): the CPU op's int8
+        experts = sum(m.quantize_int8_() for m in model.modules() if hasattr(m, "quantize_int8_"))
+        if experts:
+            log.info("int8 weight-only: the experts of %d MoE layers quantized", experts)
     return count
 
 

@@ -4,6 +4,10 @@ never read), soft-capped scores and sinks.
 
 KV cache, per layer: k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
 Token `pos` of a sequence lives in slot block_table[pos // block_size] * block_size + pos % block_size.
+An 8-bit cache (int8 or fp8 e4m3, engine/layers/attention.py quantize_kv) has k_scale, v_scale:
+[num_blocks, block_size, num_kv_heads] float32 beside it; the kernels widen a K/V tile in registers.
+fp8 goes through the kernels as its bytes (typed int8), written and widened by integer arithmetic: the
+same code in the interpreter and on any GPU.
 
 The wrappers check metadata only and never synchronize with the host, so they can be captured in a
 CUDA graph (after one warm-up call has compiled the kernels). On CPU the kernels run in Triton's
@@ -35,6 +39,7 @@ except ImportError as e:  # e.g. macOS: keep is_available() usable
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KV8 = {torch.int8: 1, torch.float8_e4m3fn: 2}  # an 8-bit cache's kernel code (KV8; 0: 16/32-bit)
 _LOG2E = 1.4426950408889634
 
 # Launch configuration: picked for Hopper without a GPU at hand, so untuned (notes/kernels.md);
@@ -52,10 +57,56 @@ _PROGRAMS_PER_SM = 8  # decode: split until about this many programs per SM (sev
 
 
 @triton.jit
+def _rint(x):
+    # x rounded to an integer, ties to even (|x| < 2^22): adding 1.5 * 2^23 leaves no fraction bits
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _fp8_bits(y):
+    # y (|y| <= 448) -> its fp8 e4m3 byte (as int8), rounded to nearest even, by integer arithmetic: Triton's
+    # interpreter (3.9) drops the carry when rounding a mantissa up (124.3 -> 64)
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)  # 23 -> 3 mantissa bits; bias 127 -> 7
+    em = tl.where(a < 0.015625, _rint(a * 512.0).to(tl.int32), normal)  # below 2^-6: subnormal, m * 2^-9
+    return (em | tl.where(y < 0.0, 0x80, 0)).to(tl.int8)  # the byte as int8 (wraps), as an int8 cache's type
+
+
+@triton.jit
+def _quantize(x, KV8: tl.constexpr):
+    # x: [BLOCK_H, BLOCK_D] (zeros past HEAD_DIM) -> (x / scale in the cache's format, scale: [BLOCK_H]),
+    # scale = each row's absolute max / the format's largest value (attention.py quantize_kv)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    if KV8 == 1:
+        scale = tl.where(amax > 0.0, amax / 127.0, 1.0)
+        y = tl.minimum(tl.maximum(x / scale[:, None], -127.0), 127.0)
+        return _rint(y).to(tl.int8), scale
+    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+    return _fp8_bits(y), scale
+
+
+@triton.jit
+def _widen(x, KV8: tl.constexpr):
+    # an 8-bit cache's values as float32: int8 as they are; fp8 e4m3 (its bytes, as int8) by moving exponent and
+    # mantissa into a float's and re-biasing (7 -> 127); subnormals (exponent 0) are m * 2^-9
+    if KV8 == 1:
+        return x.to(tl.float32)
+    b = x.to(tl.int32)
+    em = b & 0x7F
+    normal = ((em << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    mag = tl.where(em >= 8, normal, em.to(tl.float32) * 0.001953125)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -64,9 +115,14 @@ def _write_kv_kernel(
     num_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)  # slot < 0: padding, write nothing
     mask = (h[:, None] < num_heads) & (d[None, :] < HEAD_DIM)
     # k, v: [BLOCK_H, BLOCK_D] (all kv heads of token t)
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h[:, None] * HEAD_DIM + d[None, :]
+    if KV8:  # 8 bits and a scale per (token, kv head)
+        k, k_scale = _quantize(k, KV8)
+        v, v_scale = _quantize(v, KV8)
+        tl.store(k_scale_ptr + slot * NUM_KV_HEADS + h, k_scale, mask=h < num_heads)
+        tl.store(v_scale_ptr + slot * NUM_KV_HEADS + h, v_scale, mask=h < num_heads)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -79,8 +135,9 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, tok, tok_mask, kv_head, d, d_mask,
-                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr, tok, tok_mask, kv_head, d, d_mask,
+                  like, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  KV8: tl.constexpr):
     # tok: [TILE_N] logical positions -> physical rows through the block table (masked: never reads
     # the -1 padding of a block table row)
     blk = tl.load(bt_row_ptr + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
@@ -90,6 +147,11 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, tok, tok_mask, kv_head, 
     # k, v: [TILE_N, BLOCK_D]
     k = tl.load(k_cache_ptr + off, mask=mask, other=0.0)
     v = tl.load(v_cache_ptr + off, mask=mask, other=0.0)
+    if KV8:  # an 8-bit cache: widened and scaled here, in q's (`like`'s) dtype
+        ks = tl.load(k_scale_ptr + row * NUM_KV_HEADS + kv_head, mask=tok_mask, other=0.0)
+        vs = tl.load(v_scale_ptr + row * NUM_KV_HEADS + kv_head, mask=tok_mask, other=0.0)
+        k = (_widen(k, KV8) * ks[:, None]).to(like.dtype)
+        v = (_widen(v, KV8) * vs[:, None]).to(like.dtype)
     return k, v
 
 
@@ -118,14 +180,14 @@ def _sink_start(sinks_ptr, head, mask, HAS_SINKS: tl.constexpr, ROWS: tl.constex
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     scale, softcap, window, partition_size, num_splits,
     stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV8: tl.constexpr,
 ):
     # one program: one sequence, one kv head (its GROUP query heads), one slice of the context
     seq = tl.program_id(0)
@@ -158,8 +220,8 @@ def _decode_kernel(
     for tile in range(start, end, TILE_N):
         tok = tile + tl.arange(0, TILE_N)
         tok_mask = tok < end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, tok, tok_mask, kv_head, d, d_mask,
-                             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr, tok, tok_mask, kv_head,
+                             d, d_mask, q, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, KV8)
         # s: [BLOCK_G, TILE_N]
         if USE_DOT:
             s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
@@ -217,13 +279,13 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, sinks_ptr, out_ptr,
-    scale, softcap, window,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, context_lens_ptr, sinks_ptr,
+    k_scale_ptr, v_scale_ptr, out_ptr, scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, KV8: tl.constexpr,
 ):
     # one program: BLOCK_Q query tokens of one sequence x the GROUP query heads of one kv head,
     # packed as the BLOCK_M rows of the tile (row r: token r // GROUP, head r % GROUP)
@@ -259,8 +321,8 @@ def _prefill_kernel(
     for tile in range(kv_start, kv_end, TILE_N):
         tok = tile + tl.arange(0, TILE_N)
         tok_mask = tok < kv_end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, tok, tok_mask, kv_head, d, d_mask,
-                             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, bt_row_ptr, tok, tok_mask, kv_head,
+                             d, d_mask, q, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, KV8)
         # s: [BLOCK_M, TILE_N]
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)
         visible = tok_mask[None, :] & (tok[None, :] <= q_pos[:, None])
@@ -297,8 +359,8 @@ def _check_tensor(name: str, t, ndim: int, dtypes, device: torch.device) -> None
 
 
 def _check_cache(k_cache, v_cache, device: torch.device) -> tuple[int, int, int, int]:
-    _check_tensor("k_cache", k_cache, 4, _DTYPES, device)
-    _check_tensor("v_cache", v_cache, 4, _DTYPES, device)
+    _check_tensor("k_cache", k_cache, 4, (*_DTYPES, *_KV8), device)
+    _check_tensor("v_cache", v_cache, 4, (*_DTYPES, *_KV8), device)
     _check(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype,
            f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
            f"{v_cache.dtype} must match")
@@ -308,6 +370,23 @@ def _check_cache(k_cache, v_cache, device: torch.device) -> tuple[int, int, int,
            f"block_size (k_cache.shape[1]) must be a power of two, got {block_size}")
     _check(unsupported(head_dim) is None, unsupported(head_dim) or "")
     return num_blocks, block_size, num_kv_heads, head_dim
+
+
+def _kv8_args(k_cache, v_cache, k_scale, v_scale, like: torch.Tensor) -> tuple:
+    """(k_cache, v_cache, k_scale, v_scale, KV8) as the kernels take them: fp8 as its bytes (int8), and for a
+    16/32-bit cache (no scales) `like`, never read, as the scales."""
+    kv8 = _KV8.get(k_cache.dtype, 0)
+    _check((k_scale is not None) == (v_scale is not None) == bool(kv8),
+           f"k_scale and v_scale go with an 8-bit cache (int8, fp8), and only with one; k_cache is {k_cache.dtype}")
+    if not kv8:
+        return k_cache, v_cache, like, like, 0
+    shape = tuple(k_cache.shape[:3])
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check_tensor(name, t, 3, (torch.float32,), k_cache.device)
+        _check(tuple(t.shape) == shape and t.is_contiguous(), f"{name} must be contiguous {list(shape)}")
+    if kv8 == 2:
+        k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)
+    return k_cache, v_cache, k_scale, v_scale, kv8
 
 
 def _check_heads(q, num_kv_heads: int, head_dim: int, kind: str) -> int:
@@ -378,10 +457,13 @@ def _decode_warps(num_warps: int, dtype: torch.dtype, group: int, variant: Varia
     return num_warps * 2 if dtype == torch.float32 and group > 4 and not variant.is_plain else num_warps
 
 
-def _tile_n(tile_n: int, head_dim: int, dtype: torch.dtype) -> int:
-    # smaller [tile_n, head_dim] K/V tiles for wide heads: no register spills (checked for sm_90)
+def _tile_n(tile_n: int, head_dim: int, dtype: torch.dtype, kv8: int = 0) -> int:
+    # smaller [tile_n, head_dim] K/V tiles for wide heads, and for float32 ones widened from an 8-bit cache:
+    # no register spills (checked for sm_90)
     if head_dim > 128:
-        return tile_n // (4 if dtype == torch.float32 else 2)
+        return tile_n // (4 if dtype == torch.float32 or kv8 else 2)
+    if kv8 and dtype == torch.float32 and head_dim > 64:
+        return tile_n // 4
     return tile_n
 
 
@@ -428,8 +510,10 @@ def is_available(device: torch.device) -> tuple[bool, str]:
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """k_cache/v_cache[slot_mapping[t]] = k/v[t]; tokens with slot < 0 are skipped.
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """k_cache/v_cache[slot_mapping[t]] = k/v[t]; tokens with slot < 0 are skipped. An 8-bit cache takes
+    k/v[t] / their scale per kv head, the scales going into k_scale/v_scale[slot_mapping[t]].
 
     k, v: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int32 or int64.
     Slots must be < num_blocks * block_size (not checked: that would need a host sync).
@@ -437,7 +521,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     device = k_cache.device
     _, _, num_kv_heads, head_dim = _check_cache(k_cache, v_cache, device)
     for name, t in (("k", k), ("v", v)):
-        _check_tensor(name, t, 3, (k_cache.dtype,), device)
+        _check_tensor(name, t, 3, _DTYPES if k_cache.dtype in _KV8 else (k_cache.dtype,), device)
         _check(tuple(t.shape[1:]) == (num_kv_heads, head_dim),
                f"{name} shape {tuple(t.shape)} must be [num_tokens, {num_kv_heads}, {head_dim}]")
         _check(t.stride(2) == 1, f"{name} must be contiguous in its last dim")
@@ -446,13 +530,14 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     _check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64), device)
     _check(slot_mapping.shape[0] == num_tokens and slot_mapping.is_contiguous(),
            f"slot_mapping must be contiguous with shape [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    k_cache, v_cache, k_scale, v_scale, kv8 = _kv8_args(k_cache, v_cache, k_scale, v_scale, k)
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
+        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim), KV8=kv8,
     )
 
 
@@ -473,20 +558,23 @@ def decode_split_plan(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                      variant: Variant = PLAIN, max_context_len: int | None = None, out: torch.Tensor | None = None,
-                     *, num_splits: int | None = None) -> torch.Tensor:
+                     *, num_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (the last token of its context) over its cache.
 
     q: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] int32 (-1 padded);
     context_lens: [num_seqs] int32, >= 1 (0 gives zeros). max_context_len: expected upper bound on
     context_lens (Python int; default block_tables width * block_size); it only sizes the split, a
     wrong value costs speed, not correctness.
-    num_splits forces the number of KV splits (tests, tuning). Returns out: [num_seqs, num_heads, head_dim].
+    num_splits forces the number of KV splits (tests, tuning). k_scale, v_scale: an 8-bit cache's scales.
+    Returns out: [num_seqs, num_heads, head_dim].
     """
     sinks = _check_variant(variant, q)
     device = q.device
     _, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache, device)
-    _check_tensor("q", q, 3, (k_cache.dtype,), device)
+    _check_tensor("q", q, 3, _DTYPES if k_cache.dtype in _KV8 else (k_cache.dtype,), device)
     group = _check_heads(q, num_kv_heads, head_dim, "decode_attention")
+    k_cache, v_cache, k_scale, v_scale, kv8 = _kv8_args(k_cache, v_cache, k_scale, v_scale, q)
     num_seqs, num_heads, _ = q.shape
     _check_block_tables(block_tables, context_lens, num_seqs, device)
     out = _check_out(out, q)
@@ -510,14 +598,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = _next_pow2(head_dim)
     cfg = DECODE_CONFIG
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, sinks, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, context_lens, sinks, k_scale, v_scale, out, part_out, part_lse,
         scale, variant.softcap, variant.window, partition, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, _next_pow2(group)) if use_dot else 1, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        TILE_N=_tile_n(cfg["tile_n"], head_dim, q.dtype),
+        TILE_N=_tile_n(cfg["tile_n"], head_dim, q.dtype, kv8),
         SPLIT=split, USE_DOT=use_dot, **_dot_args(q.dtype), HAS_WINDOW=variant.window > 0, SOFTCAP=variant.softcap > 0,
-        HAS_SINKS=variant.sinks is not None, num_warps=_decode_warps(cfg["num_warps"], q.dtype, group, variant),
+        HAS_SINKS=variant.sinks is not None, KV8=kv8,
+        num_warps=_decode_warps(cfg["num_warps"], q.dtype, group, variant),
         num_stages=cfg["num_stages"],
     )
     if split:
@@ -531,19 +620,22 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, max_query_len: int,
-                      variant: Variant = PLAIN, out: torch.Tensor | None = None) -> torch.Tensor:
+                      variant: Variant = PLAIN, out: torch.Tensor | None = None, *,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of the last query_len_s tokens of each context over its cache.
 
     q: [num_tokens, num_heads, head_dim] flat over the batch; query_start_loc: [num_seqs + 1] int32
     (cumulative query lengths); context_lens: [num_seqs] int32 (>= query_len_s); block_tables:
     [num_seqs, max_blocks] int32 (-1 padded); max_query_len: Python int >= every query_len_s.
-    Query lengths may be 1 (decode tokens in a mixed batch). Returns out: [num_tokens, num_heads, head_dim].
+    Query lengths may be 1 (decode tokens in a mixed batch). k_scale, v_scale: an 8-bit cache's scales.
+    Returns out: [num_tokens, num_heads, head_dim].
     """
     sinks = _check_variant(variant, q)
     device = q.device
     _, block_size, num_kv_heads, head_dim = _check_cache(k_cache, v_cache, device)
-    _check_tensor("q", q, 3, (k_cache.dtype,), device)
+    _check_tensor("q", q, 3, _DTYPES if k_cache.dtype in _KV8 else (k_cache.dtype,), device)
     group = _check_heads(q, num_kv_heads, head_dim, "prefill_attention")
+    k_cache, v_cache, k_scale, v_scale, kv8 = _kv8_args(k_cache, v_cache, k_scale, v_scale, q)
     _check_tensor("context_lens", context_lens, 1, (torch.int32,), device)
     num_seqs = context_lens.shape[0]
     _check_block_tables(block_tables, context_lens, num_seqs, device)
@@ -562,13 +654,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sinks, out,
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, sinks, k_scale, v_scale, out,
         scale, variant.softcap, variant.window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size,
-        TILE_N=_tile_n(cfg["tile_n"], head_dim, q.dtype),
+        TILE_N=_tile_n(cfg["tile_n"], head_dim, q.dtype, kv8),
         **_dot_args(q.dtype), HAS_WINDOW=variant.window > 0, SOFTCAP=variant.softcap > 0, HAS_SINKS=variant.sinks is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        KV8=kv8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -3,9 +3,10 @@ from pagoda.engine.models.gemma import GemmaForCausalLM
 from pagoda.engine.models.gpt2 import GPT2LMHeadModel
 from pagoda.engine.models.gpt_oss import GptOssForCausalLM
 from pagoda.engine.models.granite import granite
-from pagoda.engine.models.llama import LlamaForCausalLM, layer_windows, qwen2, qwen3
+from pagoda.engine.models.llama import LlamaForCausalLM, attention_windows, qwen2, qwen3
 from pagoda.engine.models.mixtral import MixtralForCausalLM
 from pagoda.engine.models.olmo2 import Olmo2ForCausalLM
+from pagoda.engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3NextForCausalLM
 from pagoda.engine.models.qwen_moe import qwen2_moe, qwen3_moe
 from pagoda.engine.models.smollm3 import smollm3
 
@@ -25,6 +26,9 @@ MODELS = {
     "Qwen2MoeForCausalLM": qwen2_moe,
     "Qwen3MoeForCausalLM": qwen3_moe,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 
@@ -45,8 +49,8 @@ def kv_windows(hf_config, *drafts) -> list[int]:
     """Each attention layer's window as the KV cache keeps it (engine/core/block_manager.py kv_groups): its
     sliding window, or 0 for the whole context. A draft model reads the first group's blocks (the narrowest
     window's), so where a draft sees further back than that, every layer keeps the whole context."""
-    windows = layer_windows(hf_config)
-    draft = [w for cfg in drafts for w in layer_windows(cfg)]
+    windows = attention_windows(hf_config)
+    draft = [w for cfg in drafts for w in attention_windows(cfg)]
     if draft and min(windows) and (0 in draft or max(draft) > min(windows)):
         return [0] * len(windows)
     return windows

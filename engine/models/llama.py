@@ -50,7 +50,13 @@ class Parts:
     sinks: bool = False  # a learned logit per head that each softmax also covers (gpt-oss)
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # linear: no KV (linear_attention.py)
+
+
+def attention_windows(cfg) -> list[int]:
+    """layer_windows of the layers that keep KV (not the linear-attention ones)."""
+    types = getattr(cfg, "layer_types", None) or [None] * cfg.num_hidden_layers
+    return [w for w, t in zip(layer_windows(cfg), types) if t != "linear_attention"]
 
 
 def layer_windows(cfg) -> list[int]:
@@ -222,7 +228,7 @@ def fuse_decoder_layer(layer: LlamaDecoderLayer, ops, backend) -> FusedDecoderLa
             and a.attn.variant.is_plain):
         return None  # parts the op does not have
     if not (mlp.is_silu and mlp.fused_ops is not None and all(n.fused_ops is not None for n in norms)
-            and len({n.eps for n in norms}) == 1 and a.attn.backend is backend):
+            and len({n.eps for n in norms}) == 1 and a.attn.backend is backend and a.attn.k_scale is None):
         return None
     least = backend.sdpa_min_tokens(a.head_dim)
     return FusedDecoderLayer(layer, ops, linears, None if least is None else least - 1)
@@ -239,26 +245,49 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         bias = getattr(cfg, "attention_bias", False)
         self.parts = parts = parts or Parts(qkv_bias=bias, o_bias=bias)
-        self.embed_tokens = parallel.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.layer_class(cfg, parts, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # a pipeline stage (engine/executor/pipeline.py) builds its own layers only, the others placeholders (so
+        # layer i keeps its checkpoint name); the first stage the embedding and LM head, the last the final norm
+        self.stage = stage = parallel.stage()
+        self.stage_layers = owned = stage.layers(cfg.num_hidden_layers)
+        self.embed_tokens = parallel.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if stage.first else None
+        self.layers = nn.ModuleList(self.layer_class(cfg, parts, i) if i in owned else nn.Identity()
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if stage.last else None
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.rotary = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings)
-        self.lm_head = parallel.ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = parallel.ParallelLMHead(cfg.hidden_size, cfg.vocab_size) if stage.first else None
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and stage.first:
             self.lm_head.weight = self.embed_tokens.weight
+        if stage.size > 1:  # the other stages' tensors skipped, whatever name the family maps them to
+            mapped = self.checkpoint_name
+            self.checkpoint_name = lambda name: self._on_stage(mapped(name))
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata):
-        # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]
-        x = self.embed_tokens(input_ids)
-        if self.parts.embedding_multiplier != 1:
-            x = x * self.parts.embedding_multiplier
+    def forward(self, input_ids, positions, meta: AttentionMetadata, hidden=None):
+        # input_ids, positions: [num_tokens] -> hidden: [num_tokens, hidden]. A later pipeline stage starts from
+        # `hidden`, the previous stage's output; a stage before the last returns its layers' x + residual
+        if hidden is None:
+            hidden = self.embed_tokens(input_ids)
+            if self.parts.embedding_multiplier != 1:
+                hidden = hidden * self.parts.embedding_multiplier
+        x, residual = hidden, None
         rope = self.rotary(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.stage_layers.start:self.stage_layers.stop]:
             x, residual = layer(rope, x, residual, meta)
+        if not self.stage.last:
+            return x + residual  # the next stage's layer input
         return self.norm(x, residual)[0]
+
+    def _on_stage(self, mapped):
+        """A checkpoint tensor's (parameter name, shard), or None where another pipeline stage holds it."""
+        if mapped is None:
+            return None
+        top, _, rest = mapped[0].partition(".")
+        if top == "layers":
+            held = int(rest.split(".", 1)[0]) in self.stage_layers
+        else:
+            held = {"norm": self.stage.last, "embed_tokens": self.stage.first, "lm_head": self.stage.first}.get(top, True)
+        return mapped if held else None
 
     def compute_logits(self, hidden):
         logits = self.lm_head(hidden)  # [num_seqs, vocab]

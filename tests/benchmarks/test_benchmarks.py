@@ -97,7 +97,7 @@ def test_tensor_parallel_benchmark(checkpoint, tmp_path):
     r = _run("tensor_parallel.py", "--model", checkpoint("llama"), *args, "--repeats", "1", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["tp1_tok_s"] > 0 and result["tp2_tok_s"] > 0
+    assert result["tp1_tok_s"] > 0 and result["tp2_tok_s"] > 0 and result["pp2_tok_s"] > 0
     d = result["detail"]
     assert d["all_reduces"] == 2 * 2 + 1  # two per layer (attention, MLP) of the 2-layer model, and the embedding
     assert d["step_record_bytes"] > 0 and result["record"]["socket_round_trip_us"] > 0
@@ -194,3 +194,55 @@ def test_embeddings_benchmark_against_sentence_transformers(tmp_path):
     lat = doc["latency"]
     assert lat["idle_n"] == 2 and lat["idle_ms"]["p50"] > 0 and lat["gen_output_tok_s"] > 0
     assert "| sentence-transformers | float32 |" in r.stdout and "Query latency" in r.stdout
+
+
+def test_long_context_times_each_model_at_each_context(checkpoint):
+    r = _run("long_context.py", "--models", checkpoint("qwen3_5"), checkpoint("qwen3"), "--context", "40", "80",
+             "--new-tokens", "4", "--no-results")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| /")]
+    assert [row.split("|")[2].strip() for row in rows] == ["40", "80", "40", "80"]
+
+
+def test_peer_llamacpp_summary_states_the_file_and_every_ratio(tmp_path):
+    """The report's figures and ratios from fabricated results: llama.cpp is not built here, and a long run
+    must not fail at its end."""
+    import gguf
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import peer_llamacpp
+    finally:
+        sys.path.pop(0)
+    path = str(tmp_path / "m.gguf")
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    size = os.path.getsize(path)
+    args = peer_llamacpp.parse_args(["--pagoda-gguf", "--mode", "all", "--num-requests", "16", "--repeats", "1",
+                                     "--llamacpp-weights", "q4_k_m", "--device", "cpu", "--dtype", "float32"])
+
+    def batch(tok_s):
+        return {"median_output_tok_s": tok_s, "median_elapsed_s": 1.0, "runs": [{"output_tok_s": tok_s}]}
+
+    def single(tok_s):
+        return {"median_wall_tok_s": tok_s, "median_decode_tok_s": tok_s, "median_ttft_s": 0.1}
+
+    result = {"batch": {"pagoda": batch(26.0), "llama.cpp": batch(20.0), "ratio": 1.3, "agreement_first16": 1.0},
+              "single": {"pagoda": single(30.0), "llama.cpp": single(40.0), "wall_ratio": 0.75, "decode_ratio": 0.75},
+              "prompt": {"pagoda": {"median_tok_s": 120.0}, "llama.cpp": {"median_tok_s": 100.0}, "ratio": 1.2},
+              "llama_bench": {"pp": {"tokens": 512, "tok_s": 150.0}, "tg": {"tokens": 128, "tok_s": 35.0}},
+              "memory": {"file_bytes": size, "load_peak_bytes": 2 * size, "after_load_bytes": size},
+              "read_bandwidth_gb_s": 60 * size / 1e9}  # a bound of 60 tok/s
+    text = peer_llamacpp.report(args, "ckpt", path, [[([1, 2], 3)]], result)
+    assert f"m.gguf: {size:,} bytes" in text and "tensors F32 x 1" in text
+    assert "| 16 streams: output tok/s | 26.0 | 20.0 | 1.30 | >= 1.3 |" in text
+    assert "| one stream: decode tok/s (llama-bench tg128) | 30.0 | 35.0 | 0.86 |" in text
+    assert "= 60.0 tok/s) | 50% | 67% |" in text
+    assert "| prompt of 512: tok/s (llama-server) | 120.0 | 100.0 | 1.20 | >= 1.0 |" in text
+    assert "| prompt of 512: tok/s (llama-bench pp512) | 120.0 | 150.0 | 0.80 | >= 1.0 |" in text
+    assert "| 1.00 | about 1 |" in text

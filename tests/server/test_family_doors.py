@@ -21,7 +21,8 @@ MAX_NEW = 16
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi3", "granite", "olmo2", "smollm3", "mistral", "mixtral",
-                                    "qwen2_moe", "qwen3_moe", "gpt_oss"])
+                                    "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe",
+                                    "qwen3_next"])
 def test_every_door_gives_transformers_tokens(family, tmp_path):
     path = str(tmp_path / family)
     tokenizer = build_sentencepiece_tokenizer(path) if family in SENTENCEPIECE else None
@@ -37,12 +38,19 @@ def test_every_door_gives_transformers_tokens(family, tmp_path):
         with Client(srv.target, timeout=60) as c:
             unary = c.generate(PROMPT, temperature=0, max_tokens=MAX_NEW)
             assert list(unary.token_ids) == want and unary.text == offline.text
-            groups = [(g.window, g.num_layers, g.blocks_used) for g in c.stats().kv_groups]
+            stats = c.stats()
+            groups = [(g.window, g.num_layers, g.blocks_used) for g in stats.kv_groups]
+            slots = (stats.state_slots_total, stats.state_slots_used)  # linear-attention states, all free again
         http = openai_client(srv).completions.create(model="m", prompt=PROMPT, max_tokens=MAX_NEW, temperature=0)
         assert http.choices[0].text == offline.text
         # the KV figures per group of layers (a sliding and a full one for Gemma and gpt-oss), on both doors
+        # (the hybrid models' attention layers: one in four)
         assert groups == ([(0, 1, 0), (16, 1, 0)] if family.startswith(("gemma", "gpt_oss")) else
+                          [(0, 1, 0)] if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next") else
                           [(FAMILIES[family].get("sliding_window", 0), 2, 0)])
-        assert [tuple(g.values()) for g in httpx.get(srv.http_url + "/stats").json()["kv_groups"]] == groups
+        http_stats = httpx.get(srv.http_url + "/stats").json()
+        assert [tuple(g.values()) for g in http_stats["kv_groups"]] == groups
+        assert slots == (http_stats["state_slots_total"], http_stats["state_slots_used"]) == (
+            (256, 0) if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next") else (0, 0))
     finally:
         srv.stop()

@@ -43,9 +43,10 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const OptTen
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& tables, const OptTensor& start_loc, const at::Tensor& lens, double scale) {
   static auto h = op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const OptTensor&, const at::Tensor&, double, bool, int64_t, double, const OptTensor&)>(
-      "pagoda::paged_attention");
-  return h.call(q, k_cache, v_cache, tables, start_loc, lens, scale, false, 0, 0., c10::nullopt);
+                                const OptTensor&, const at::Tensor&, double, bool, int64_t, double, const OptTensor&,
+                                const OptTensor&, const OptTensor&)>("pagoda::paged_attention");
+  return h.call(q, k_cache, v_cache, tables, start_loc, lens, scale, false, 0, 0., c10::nullopt, c10::nullopt,
+                c10::nullopt);
 }
 
 // weights: [input_norm, post_attention_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, gate_up, gate_up_bias,
@@ -64,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   static auto rotary_ = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
       "pagoda::rotary_");
   static auto write_kv_cache = op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                                       const at::Tensor&)>("pagoda::write_kv_cache");
+                                       const at::Tensor&, const OptTensor&, const OptTensor&)>("pagoda::write_kv_cache");
   TORCH_CHECK(weights.size() == 12 && sizes.size() == 5, "weights must hold 12 entries and sizes 5");
   std::vector<OptTensor> w;
   for (size_t i = 0; i < weights.size(); ++i) w.push_back(weights.get(i));
@@ -90,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     k = rms_norm(k, w[5], eps);
   }
   rotary_.call(q, k, positions, cos, sin);
-  write_kv_cache.call(k, v, k_cache, v_cache, slot_mapping);
+  write_kv_cache.call(k, v, k_cache, v_cache, slot_mapping, c10::nullopt, c10::nullopt);
   at::Tensor attn;
   if (num_decode == tokens) {
     attn = paged_attention(q, k_cache, v_cache, decode_tables, c10::nullopt, decode_lens, scale);

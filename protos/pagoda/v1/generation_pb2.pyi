@@ -529,7 +529,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_seconds", "finished_per_second", "spec_proposed_tokens", "spec_accepted_tokens", "spec_mean_accepted_length", "adapter_requests", "adapter_generated_tokens", "pooling_requests", "pooling_tokens", "kv_groups", "expert_load")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "prompt_tokens_processed", "generated_tokens", "num_preemptions", "uptime_seconds", "kv_blocks_cached", "cached_prompt_tokens", "prefix_cache_hit_rate", "queue_wait_estimate_seconds", "step_seconds", "finished_per_second", "spec_proposed_tokens", "spec_accepted_tokens", "spec_mean_accepted_length", "adapter_requests", "adapter_generated_tokens", "pooling_requests", "pooling_tokens", "kv_groups", "expert_load", "state_slots_total", "state_slots_used")
     class AdapterRequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -568,6 +568,8 @@ class GetStatsResponse(_message.Message):
     POOLING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -592,7 +594,9 @@ class GetStatsResponse(_message.Message):
     pooling_tokens: int
     kv_groups: _containers.RepeatedCompositeFieldContainer[KVGroupStats]
     expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., finished_per_second: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., adapter_requests: _Optional[_Mapping[str, int]] = ..., adapter_generated_tokens: _Optional[_Mapping[str, int]] = ..., pooling_requests: _Optional[int] = ..., pooling_tokens: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupStats, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ...) -> None: ...
+    state_slots_total: int
+    state_slots_used: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., prompt_tokens_processed: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., kv_blocks_cached: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., queue_wait_estimate_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., finished_per_second: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_mean_accepted_length: _Optional[float] = ..., adapter_requests: _Optional[_Mapping[str, int]] = ..., adapter_generated_tokens: _Optional[_Mapping[str, int]] = ..., pooling_requests: _Optional[int] = ..., pooling_tokens: _Optional[int] = ..., kv_groups: _Optional[_Iterable[_Union[KVGroupStats, _Mapping]]] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., state_slots_total: _Optional[int] = ..., state_slots_used: _Optional[int] = ...) -> None: ...
 
 class ExpertLoad(_message.Message):
     __slots__ = ("layer", "tokens")

@@ -218,3 +218,24 @@ def test_a_prefix_hit_needs_what_every_group_still_reads():
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 12 and all(blk.ref_count == 0 for blk in bm.blocks)
+
+
+def test_state_slots_one_per_sequence_from_admission_to_free():
+    """Linear-attention layers: a sequence holds a state slot while it holds blocks; with every slot taken,
+    a sequence cannot be admitted however many blocks are free."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, num_state_slots=2)
+    a, b, c = seq("a", 5), seq("b", 3), seq("c", 2)
+    bm.allocate(a, 5)
+    bm.allocate(b, 3)
+    assert (a.state_slot, b.state_slot) == (0, 1)
+    assert not bm.can_allocate(c, 2) and bm.num_free_blocks == 5
+    s = bm.stats()
+    assert (s.num_state_slots, s.num_used_state_slots) == (2, 2)
+    bm.free(a)  # finished, aborted or preempted alike
+    assert a.state_slot is None and bm.can_allocate(c, 2)
+    bm.allocate(c, 2)
+    assert c.state_slot == 0
+    bm.free(b)
+    bm.free(c)
+    assert list(bm.free_state_slots) == [1, 0] and bm.stats().num_used_state_slots == 0
+    assert BlockManager(num_blocks=8, block_size=4).can_allocate(seq("d", 4), 4)  # a model without states

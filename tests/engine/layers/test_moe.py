@@ -1,11 +1,12 @@
 """Mixture-of-experts layers: the router against transformers' own (ties included), the CPU expert op
-(csrc/moe_cpu.cpp) against the per-expert loop, and the checkpoint layouts the experts load."""
+(csrc/moe_cpu.cpp) against the per-expert loop (gpt-oss's biases and clamped SwiGLU, int8 and MXFP4 experts
+too), MXFP4's dequantization against transformers', and the checkpoint layouts the experts load."""
 import pytest
 import torch
 import transformers
 
 from pagoda.engine.layers import cpu_ops
-from pagoda.engine.layers.moe import Experts, Router
+from pagoda.engine.layers.moe import Experts, GptOssExperts, Router, dequantize_mxfp4, quantize_mxfp4
 
 HIDDEN, INTER, EXPERTS = 64, 40, 8  # 40: the op's vector columns and a scalar tail
 
@@ -145,3 +146,86 @@ def test_fused_3d_experts_load_as_per_expert_ones(checkpoint, tmp_path):
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
     experts = models[0]["layers.1.mlp.experts.gate_up_proj"]
     assert experts.shape == (EXPERTS, 64, 64) and experts.stride() == (64 * 64, 1, 64)
+
+
+def _gpt_oss(inter=INTER, mxfp4=False, limit=1.0, seed=0) -> GptOssExperts:
+    """gpt-oss's experts with random weights and biases; a limit the random projections pass often."""
+    torch.manual_seed(seed)
+    m = GptOssExperts(EXPERTS, HIDDEN, inter, limit, 1.702, mxfp4=mxfp4)
+    with torch.no_grad():
+        for p in (m.gate_up_proj_bias, m.down_proj_bias):
+            p.normal_(0, 0.3)
+        for proj in ("gate_up_proj", "down_proj"):
+            w = torch.randn(EXPERTS, *(2 * inter, HIDDEN) if proj == "gate_up_proj" else (HIDDEN, inter)) * 0.3
+            if mxfp4:
+                blocks, scales = quantize_mxfp4(w)
+                getattr(m, f"{proj}_blocks").copy_(blocks)
+                getattr(m, f"{proj}_scales").copy_(scales)
+            else:
+                getattr(m, proj).copy_(w)
+    return m
+
+
+def _run_module_op(m: Experts, x, weights, ids):
+    out = torch.zeros_like(x)
+    w13, w2, s13, s2 = m.operands()
+    cpu_ops.ops().moe_experts_(out, x, w13, w2, weights, ids, s13, s2, m.gate_up_proj_bias, m.down_proj_bias,
+                               **m.swiglu())
+    return out
+
+
+def _check_against_the_loop(m: Experts, case: str, dtype=torch.float32, tol=1e-5):
+    """The op against the torch loop over the same (dequantized) weights, and each row alone bitwise itself."""
+    weights, ids = _routing(CASES[case])
+    x = torch.randn(ids.shape[0], HIDDEN).to(dtype)
+    got = _run_module_op(m, x, weights, ids)
+    want = m.loop_(torch.zeros_like(x), x, weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    for i in range(x.shape[0]):
+        assert torch.equal(_run_module_op(m, x[i:i + 1], weights[i:i + 1], ids[i:i + 1])[0], got[i])
+    return got
+
+
+@pytest.mark.parametrize("case", ["uneven groups", "one token", "one expert takes every token"])
+def test_gpt_oss_biases_and_clamped_swiglu_in_the_op(case):
+    m = _gpt_oss()
+    x = torch.randn(64, HIDDEN)
+    gate, up = (x @ m.gate_up_proj[3].t() + m.gate_up_proj_bias[3]).chunk(2, dim=-1)
+    assert (gate > m.limit).any() and (up.abs() > m.limit).any()  # the clamps bite
+    _check_against_the_loop(m, case)  # torch's GEMMs and sigmoid: to rounding
+
+
+@pytest.mark.parametrize("case", ["uneven groups", "one token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_experts_in_the_op_match_the_loop_on_their_dequantized_weights(case, dtype):
+    m = _gpt_oss(inter=64, mxfp4=True).to(dtype)
+    assert m.gate_up_proj is None and m.operands()[0].dtype == torch.uint8  # computed from the blocks
+    _check_against_the_loop(m, case, dtype, tol=1e-5 if dtype == torch.float32 else 0.05)
+
+
+@pytest.mark.parametrize("family", ["silu", "gpt-oss"])
+def test_int8_experts_in_the_op_match_the_loop_on_their_dequantized_weights(family):
+    m = _experts(inter=48) if family == "silu" else _gpt_oss(inter=48)
+    dense = m.loop_
+    weights, ids = _routing(CASES["uneven groups"])
+    x = torch.randn(ids.shape[0], HIDDEN)
+    full = dense(torch.zeros_like(x), x, weights, ids)
+    assert m.quantize_int8_() and m.gate_up_proj is None and m.operands()[0].dtype == torch.int8
+    for case in ("uneven groups", "one token"):
+        _check_against_the_loop(m, case)
+    got = _run_module_op(m, x, weights, ids)
+    assert (got - full).norm() < 0.02 * full.norm()  # int8's precision
+
+
+def test_mxfp4_dequantization_is_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    torch.manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8)  # every code, either nibble
+    scales = torch.randint(110, 140, (3, 40, 4), dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]
+    assert torch.equal(dequantize_mxfp4(blocks, scales), want.transpose(1, 2))
+    w = torch.randn(3, 40, 128)
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(dequantize_mxfp4(blocks, scales))),
+                       dequantize_mxfp4(blocks, scales))  # quantize_mxfp4 keeps what is representable
+    assert (dequantize_mxfp4(*quantize_mxfp4(w)) - w).abs().max() < 0.25 * w.abs().max()

@@ -225,7 +225,7 @@ def test_the_language_model_of_a_gemma3_multimodal_checkpoint(tmp_path):
 @pytest.mark.parametrize("edit, message", [
     ({"layer_types": ["sliding_attention", "chunked_attention"]},
      r"layer_types\[1\] 'chunked_attention' is not a layer type this server runs \(one of full_attention, "
-     r"sliding_attention\)"),
+     r"sliding_attention, linear_attention\)"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "bogus", "rope_theta": 1e4},
                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
      r"rope_parameters.sliding_attention.rope_type 'bogus' is not a RoPE type this server runs"),
