@@ -1,12 +1,12 @@
 // Linear layers over GGUF block formats as llama.cpp stores them (ggml-quants.c's layouts), computed on the
 // blocks in memory: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (32 weights a block), Q4_K, Q5_K, Q6_K (256 a
-// super-block). A few rows (decode): 256 weights of a row at a time are dequantized into L1 (vector code for
-// Q8_0, Q4_0 and the K-quants), then every row's float32 activations multiply them, the rows' accumulators in
-// registers. Activations stay float32 (not llama.cpp's int8 ones): each output is a float32 dot product of
-// the dequantized weights, gguf.quants.dequantize(W) @ x up to summation order. One row of [9728, 1024] on one
-// Zen 4 core: Q8_0 0.76 ms, Q4_K 1.06, Q6_K 1.21, float32's few-row op 1.96 (the K-quants are compute bound
-// here: integer dot products over int8 activations are the next step). Many rows: the caller dequantizes
-// chunks of rows (gguf_dequantize) for a GEMM.
+// super-block). A few rows (decode): 256 weights of a row at a time are dequantized into L1 by vector code
+// (every type), then every row's float32 activations multiply them, the rows' accumulators in registers.
+// Activations stay float32 (not llama.cpp's int8 ones, so no VNNI): each output is a float32 dot product of
+// the dequantized weights, gguf.quants.dequantize(W) @ x up to summation order; the price is the int-to-float
+// conversions, which bound these loops (benchmarks/gguf_kernels.py: one row of [4864, 896] on one Zen 4 core,
+// GB/s of weights: Q8_0 16, Q4_0 7.5, Q4_1 8, Q5_0 6.6, Q5_1 7, IQ4_NL 7.6, Q6_K 6.9, Q4_K 5.3 at 768 inputs).
+// Many rows: the caller dequantizes chunks of rows (gguf_dequantize) for a GEMM.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -71,58 +71,72 @@ struct Q4_0 {  // d (f16), qs[16]: weights j and j + 16 in the low and high nibb
   }
 };
 
+// 16 bytes' values (unsigned / signed) as 16 floats d * q + o at y: one AVX-512 register, two AVX2 ones
+inline void put16(float* y, __m128i q, vec d, vec o) {
+  store(y, fma(d, u8(q), o));
+  if (kW == 8) store(y + 8, fma(d, u8(_mm_srli_si128(q, 8)), o));
+}
+inline void put16s(float* y, __m128i q, vec d) {
+  store(y, d * i8(q));
+  if (kW == 8) store(y + 8, d * i8(_mm_srli_si128(q, 8)));
+}
+
 struct Q4_1 {  // d, m (f16), qs[16]: w = d * q + m
   static constexpr int kN = 32, kBytes = 20;
   static void dequant(const uint8_t* b, float* y) {
-    const float d = f16(b), m = f16(b + 2);
-    const uint8_t* q = b + 4;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = d * (q[j] & 0xF) + m;
-      y[j + 16] = d * (q[j] >> 4) + m;
-    }
+    const vec d = splat(f16(b)), m = splat(f16(b + 2));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+    put16(y, low4(q), d, m);
+    put16(y + 16, high4(q), d, m);
   }
 };
 
-// the 5-bit quants of a Q5_0 / Q5_1 block: qh (32 bits, one per weight) above qs's nibbles
-inline void q5(const uint8_t* qh_bytes, const uint8_t* q, int* x) {
+// the 5-bit quants of a Q5_0 / Q5_1 block, qh's 32 bits (one per weight) above qs's nibbles: weights 0-15
+// in *lo, 16-31 in *hi. Bit j of qh to byte j: each byte gets qh's byte j / 8, then tests its bit j % 8.
+inline void q5(const uint8_t* qh_bytes, const uint8_t* qs, __m128i* lo, __m128i* hi) {
   uint32_t qh;
   std::memcpy(&qh, qh_bytes, 4);
-  for (int j = 0; j < 16; ++j) {
-    x[j] = (q[j] & 0xF) | (((qh >> j) << 4) & 0x10);
-    x[j + 16] = (q[j] >> 4) | ((qh >> (j + 12)) & 0x10);
-  }
+  const __m128i h = _mm_set1_epi32(static_cast<int>(qh));
+  const __m128i bit = _mm_set1_epi64x(0x8040201008040201LL);
+  const __m128i h0 = _mm_shuffle_epi8(h, _mm_set_epi64x(0x0101010101010101LL, 0));
+  const __m128i h1 = _mm_shuffle_epi8(h, _mm_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL));
+  const __m128i five = _mm_set1_epi8(0x10);
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  *lo = _mm_or_si128(low4(q), _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h0, bit), bit), five));
+  *hi = _mm_or_si128(high4(q), _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h1, bit), bit), five));
 }
 
 struct Q5_0 {  // d (f16), qh[4], qs[16]: w = d * (q - 16)
   static constexpr int kN = 32, kBytes = 22;
   static void dequant(const uint8_t* b, float* y) {
     const float d = f16(b);
-    int x[32];
-    q5(b + 2, b + 6, x);
-    for (int j = 0; j < 32; ++j) y[j] = d * (x[j] - 16);
+    const vec dv = splat(d), off = splat(-16.f * d);
+    __m128i lo, hi;
+    q5(b + 2, b + 6, &lo, &hi);
+    put16(y, lo, dv, off);
+    put16(y + 16, hi, dv, off);
   }
 };
 
 struct Q5_1 {  // d, m (f16), qh[4], qs[16]: w = d * q + m
   static constexpr int kN = 32, kBytes = 24;
   static void dequant(const uint8_t* b, float* y) {
-    const float d = f16(b), m = f16(b + 2);
-    int x[32];
-    q5(b + 4, b + 8, x);
-    for (int j = 0; j < 32; ++j) y[j] = d * x[j] + m;
+    const vec d = splat(f16(b)), m = splat(f16(b + 2));
+    __m128i lo, hi;
+    q5(b + 4, b + 8, &lo, &hi);
+    put16(y, lo, d, m);
+    put16(y + 16, hi, d, m);
   }
 };
 
-struct IQ4_NL {  // d (f16), qs[16]: w = d * kValues[nibble] (a non-uniform grid)
+struct IQ4_NL {  // d (f16), qs[16]: w = d * kValues[nibble] (a non-uniform grid, looked up by a byte shuffle)
   static constexpr int kN = 32, kBytes = 18;
   static void dequant(const uint8_t* b, float* y) {
-    static constexpr int8_t kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-    const float d = f16(b);
-    const uint8_t* q = b + 2;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = d * kValues[q[j] & 0xF];
-      y[j + 16] = d * kValues[q[j] >> 4];
-    }
+    const __m128i grid = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const vec d = splat(f16(b));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    put16s(y, _mm_shuffle_epi8(grid, low4(q)), d);
+    put16s(y + 16, _mm_shuffle_epi8(grid, high4(q)), d);
   }
 };
 
@@ -209,26 +223,32 @@ template <typename T, int M>
 void rows_t(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t O, int64_t o0,
             int64_t o1) {
   constexpr int kBlocks = kSpan / T::kN;
+  // independent accumulators a row: with one or two rows a single chain of fused multiply-adds would wait on
+  // its latency; A vectors are 32 weights, so every block count divides
+  constexpr int A = M < 3 ? 32 / kW : 1;
   alignas(64) float buf[kSpan];
   const int64_t spans = K / kSpan, rest = K % kSpan / T::kN;  // whole spans, then the blocks left
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* row = w + o * row_bytes;
-    vec acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = vec{} + 0.f;
+    vec acc[M][A];
+    for (int m = 0; m < M; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = vec{} + 0.f;
     for (int64_t s = 0; s <= spans; ++s) {
       const int n = s < spans ? kBlocks : static_cast<int>(rest);
       const uint8_t* b = row + s * kBlocks * T::kBytes;
       __builtin_prefetch(b + 2 * kBlocks * T::kBytes);
       for (int i = 0; i < n; ++i) T::dequant(b + i * T::kBytes, buf + i * T::kN);
       const float* xs = x + s * kSpan;
-      for (int i = 0; i < n * T::kN; i += kW) {
-        const vec wv = load(buf + i);
-        for (int m = 0; m < M; ++m) acc[m] = fma(wv, load(xs + m * K + i), acc[m]);
-      }
+      for (int i = 0; i < n * T::kN; i += A * kW)
+        for (int a = 0; a < A; ++a) {
+          const vec wv = load(buf + i + a * kW);
+          for (int m = 0; m < M; ++m) acc[m][a] = fma(wv, load(xs + m * K + i + a * kW), acc[m][a]);
+        }
     }
     for (int m = 0; m < M; ++m) {
+      for (int a = 1; a < A; ++a) acc[m][0] += acc[m][a];
       float sum = 0.f;
-      for (int l = 0; l < kW; ++l) sum += acc[m][l];
+      for (int l = 0; l < kW; ++l) sum += acc[m][0][l];
       y[m * O + o] = sum;
     }
   }

@@ -45,11 +45,22 @@ def test_gguf_dequantize_matches_gguf_quants_exactly(qtype):
     torch.testing.assert_close(got, torch.from_numpy(dequantize(b, qtype)), rtol=2e-7, atol=0)  # fma or not
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9, qz.DEQUANT_MIN_ROWS - 1, qz.DEQUANT_MIN_ROWS + 5])
+# rows 1 and 2: several accumulators a row; 3: one; 9: 8 rows, then 1
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, qz.DEQUANT_MIN_ROWS - 1, qz.DEQUANT_MIN_ROWS + 5])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_gguf_linear_matches_dequantized_matmul(qtype, rows):
+    _check_linear(qtype, rows, 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 864)  # 32: spans of 8 blocks, 3 more
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gguf_linear_of_one_block_a_row_matches_dequantized_matmul(qtype):
+    """The shortest rows: no whole span of 256 weights, one block (of 32 weights, or a super-block)."""
+    for rows in (1, 2, 5):
+        _check_linear(qtype, rows, GGML_QUANT_SIZES[qtype][0])
+
+
+def _check_linear(qtype, rows: int, k: int):
     rng = np.random.default_rng(2)
-    k = 768 if GGML_QUANT_SIZES[qtype][0] == 256 else 864  # 32-weight blocks: spans of 8 blocks, then 3 more
     w = rng.standard_normal((72, k)).astype(np.float32)  # 72 outputs: a remainder for every thread split
     layer, dense = _layer([(qtype.name, blocks(w, qtype, rng))], k, bias=True)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
