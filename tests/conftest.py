@@ -74,6 +74,8 @@ def pytest_xdist_auto_num_workers(config):
     memory and on each other's servers rather than go faster)."""
     return max(1, min(4, os.cpu_count() or 1))
 
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # linear-attention layers beside attention (a state per sequence)
+
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):

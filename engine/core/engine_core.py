@@ -132,7 +132,8 @@ class EngineCore:
         per_block = self.runner.kv_bytes_per_block(config.block_size, self.kv_groups, config.kv_cache_dtype)
         if self.draft_runner is not None:
             per_block += self.draft_runner.kv_bytes_per_block(config.block_size, (), config.kv_cache_dtype)
-        budget = self._memory_budget(config)
+        # num_kv_blocks given: no budget, but for the states of linear-attention layers
+        budget = 0 if config.num_kv_blocks and not self.runner.linear_layers else self._memory_budget(config)
         state_bytes = self._reserve_states(config, budget)
         if state_bytes and config.enable_prefix_caching:
             log.warning("prefix caching off for %s: its linear-attention layers keep one state per sequence, not "

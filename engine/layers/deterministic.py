@@ -69,6 +69,9 @@ def check(config, device: torch.device, hf_config=None, architecture: str | None
         why = "float16 has no batch-invariant linear kernel on CPU; use dtype float32 or bfloat16"
     elif config.attention_backend not in ("auto", "cpu"):
         why = f"it needs attention_backend cpu (pagoda's C++ op), not {config.attention_backend!r}"
+    elif "linear_attention" in (getattr(hf_config, "layer_types", None) or ()):
+        why = (f"{architecture}'s linear-attention layers compute a prompt chunk by chunk, and where the chunks "
+               f"fall depends on the batch; leave deterministic off")
     elif architecture == "GptOssForCausalLM":
         why = ("gpt-oss's experts (biases, clamped SwiGLU) run on torch's GEMMs, which are not batch-invariant; "
                "leave deterministic off")

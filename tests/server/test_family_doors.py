@@ -4,7 +4,7 @@ others with a byte-level BPE one), and the same text on each door."""
 import httpx
 import pytest
 
-from conftest import FAMILIES
+from conftest import FAMILIES, HYBRID
 from grpc_fixtures import InProcessServer, openai_client
 from oracle import greedy
 from pagoda.client.client import Client
@@ -46,11 +46,11 @@ def test_every_door_gives_transformers_tokens(family, tmp_path):
         # the KV figures per group of layers (a sliding and a full one for Gemma and gpt-oss), on both doors
         # (the hybrid models' attention layers: one in four)
         assert groups == ([(0, 1, 0), (16, 1, 0)] if family.startswith(("gemma", "gpt_oss")) else
-                          [(0, 1, 0)] if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next") else
+                          [(0, 1, 0)] if family in HYBRID else
                           [(FAMILIES[family].get("sliding_window", 0), 2, 0)])
         http_stats = httpx.get(srv.http_url + "/stats").json()
         assert [tuple(g.values()) for g in http_stats["kv_groups"]] == groups
         assert slots == (http_stats["state_slots_total"], http_stats["state_slots_used"]) == (
-            (256, 0) if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next") else (0, 0))
+            (256, 0) if family in HYBRID else (0, 0))
     finally:
         srv.stop()

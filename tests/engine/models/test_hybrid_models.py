@@ -8,10 +8,9 @@ import logging
 
 import pytest
 
+from conftest import HYBRID
 from oracle import greedy, random_prompts
 from pagoda.engine import LLM, SamplingParams
-
-HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
 @pytest.mark.parametrize("budget", [3, 24])  # 3: chunks shorter than the conv kernel (4)
