@@ -63,6 +63,18 @@ MODEL_CONFIGS = {
     "qwen3-4b-8l": ("qwen3", dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=8,
                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                   tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960)),
+    # Qwen3-30B-A3B's (128 experts of 768, top 8, normalized; 32 / 4 heads of 128; untied head); 4 of its 48
+    # layers (24 GiB: the random float32 build of 4 layers is 12 GiB); and the dense model of its active size
+    # (the same attention, one MLP of 8 x 768): the MoE issue's comparisons
+    "qwen3-30b-a3b-4l": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                           norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=32,
+                                           num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                                           rope_theta=1e6, max_position_embeddings=40960)),
+    "qwen3-30b-a3b-dense-4l": ("qwen3", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                             num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                                             head_dim=128, tie_word_embeddings=False, rope_theta=1e6,
+                                             max_position_embeddings=40960)),
     "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5,
                                 max_position_embeddings=8192)),

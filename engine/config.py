@@ -7,7 +7,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from pagoda.engine.pooling import RUNNERS, PoolerConfig
-from pagoda.engine.validation import is_int
+from pagoda.engine.validation import is_int, json_object
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # engine/layers/attention.py KV_CACHE_DTYPES
@@ -28,18 +28,6 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6,
 MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 CPU_LINEARS = ("onednn", "onednn-only", "mkl")
 SPECULATIVE_METHODS = ("ngram", "draft")  # proposers (engine/spec_decode/)
-
-
-def _json_object(value, name: str) -> dict:
-    """A JSON-valued option's object: a dict, or JSON text of one; ValueError naming the option."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}")
-    return value
 
 
 def _known_keys(cls, value: dict, name: str) -> dict:
@@ -91,7 +79,7 @@ class SpeculativeConfig:
         """From a SpeculativeConfig, a dict, a JSON string, or None (off)."""
         if value is None or isinstance(value, cls):
             return value
-        value = _json_object(value, "speculative_config")
+        value = json_object(value, "speculative_config")
         if "model" in value and "method" not in value:
             value = {**value, "method": "draft"}
         return cls(**_known_keys(cls, value, "speculative_config"))
@@ -141,7 +129,7 @@ class KVEventsConfig:
         """From a KVEventsConfig, a dict, a JSON string, or None (off)."""
         if value is None or isinstance(value, cls):
             return value
-        return cls(**_known_keys(cls, _json_object(value, "kv_events_config"), "kv_events_config"))
+        return cls(**_known_keys(cls, json_object(value, "kv_events_config"), "kv_events_config"))
 
 
 # `pagoda serve` flag parsers (server/main.py builds the flags from the fields' metadata below); an
@@ -394,8 +382,10 @@ class EngineConfig:
         "/v1/load_lora_adapter, gRPC LoadLoRAAdapter; default: off)"})
     cpu_linear: str = field(default="onednn", metadata={"choices": CPU_LINEARS, "help": (
         "CPU linear layers: onednn (weights packed once for oneDNN; float32 calls of a few rows over a second "
-        "copy packed in panels), onednn-only (no second copy: half the weights' memory, slower decode) or mkl "
-        "(torch's default GEMM) (default: onednn)")})
+        "copy packed in panels; bfloat16 on a CPU without native bf16: a float32 copy for prompts beside the bf16 "
+        "weights, 6 bytes a parameter), onednn-only (no second copy: the weights' memory only, slower decode and, "
+        "bfloat16 without native bf16, prompts at about half float32's speed) or mkl (torch's default GEMM) "
+        "(default: onednn)")})
     # a few rows: float32 up to 28 on AVX-512, 12 on AVX2; bfloat16: 8 (False: op by op from Python)
     cpu_fused_layers: bool = field(default=True, metadata={"help": (
         "float32 or bfloat16 on CPU: a decoder layer (Llama family) of a few rows (decode steps) as one C++ "

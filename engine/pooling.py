@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from pagoda.engine.errors import InvalidRequestError
-from pagoda.engine.validation import check_int, is_int
+from pagoda.engine.validation import check_int, is_int, json_object
 
 METHODS = ("last", "mean", "cls", "all")  # all: every prompt token's hidden state, [num_tokens, hidden]
 RUNNERS = ("auto", "generate", "pooling", "all")  # all: both kinds of request on one engine
@@ -44,12 +44,7 @@ class PoolerConfig:
         a short form, a method and flags: `last,normalize`, `mean`, `cls,no-normalize`."""
         text = text.strip()
         if text.startswith("{"):
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooling is not valid JSON: {e}") from None
-            if not isinstance(value, dict):
-                raise ValueError(f"pooling must be a JSON object, got {text!r}")
+            value = dict(json_object(text, "pooling"))
             method = str(value.pop("pooling_type", value.pop("method", "last"))).lower()
             normalize = value.pop("normalize", True)
             tokens = value.pop("classifier_from_token", [])

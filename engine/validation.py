@@ -183,6 +183,18 @@ def check_messages(messages: list[dict]) -> None:
                 check_text(f"messages[{i}].tool_calls", json.dumps(value, ensure_ascii=False, default=str))
 
 
+def json_object(value, name: str) -> dict:
+    """A JSON-valued option's object: a dict, or JSON text of one; ValueError naming the option."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
+
+
 def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -8,8 +8,10 @@ import contextlib
 import functools
 import glob
 import os
+import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -163,6 +165,19 @@ def failing_step(engine, times: int = 1):
 
     with patched_run(engine, wrap):
         yield
+
+
+def rendezvous_port() -> int:
+    """A free port for --master-port, below the kernel's ephemeral range (32768-60999), so no `--port 0` or
+    outgoing connection of the processes it is meant for can be handed the same port before they bind it."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def pagoda_command() -> list[str]:

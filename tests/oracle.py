@@ -36,6 +36,18 @@ def greedy(path: str, prompts: list[list[int]], max_new: int, adapter: str | Non
     return [list(o) for o in _GREEDY[key]]
 
 
+def with_biases(path: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """transformers' float32 model of a checkpoint whose all-zero biases (gpt-oss's random init leaves its
+    attention and expert biases zero) are drawn from N(0, 0.3), so that their loading is what a test checks."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and not p.abs().any():
+                p.normal_(0, 0.3)
+    return model
+
+
 def make_adapter(base: str, out: str, seed: int, r: int = 8, alpha: int = 16, targets=None, **options) -> str:
     """A PEFT LoRA adapter of `base` with random non-zero A and B, saved to `out`."""
     torch.manual_seed(seed)

@@ -94,7 +94,6 @@ class StateCache:
     recurrent states in float32."""
 
     def __init__(self, layers: list[GatedDeltaNet], num_slots: int, dtype: torch.dtype, device: torch.device):
-        self.layers = layers
         for m in layers:
             conv, ssm = m.state_shapes()
             m.conv_state = torch.zeros(num_slots, *conv, dtype=dtype, device=device)

@@ -4,14 +4,13 @@ Greedy float32 output token-identical to one rank; node 1 killed mid-stream fail
 server, node 0 killed ends node 1, and no process is left on either."""
 import os
 import signal
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
-from grpc_fixtures import ServeProcess, assert_all_gone, children
+from grpc_fixtures import ServeProcess, assert_all_gone, children, rendezvous_port
 from pagoda.client.client import Client
 from pagoda.engine import LLM, EngineConfig, SamplingParams
 
@@ -20,16 +19,11 @@ pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[5, 9, 200, 14], list(range(3, 40))]
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
 
 def _nodes(path: str, *node0_flags: str) -> tuple[ServeProcess, ServeProcess]:
     common = ["--model", path, "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64",
               "--max-model-len", "512", "--tensor-parallel-size", "2", "--nnodes", "2",
-              "--master-addr", "127.0.0.1", "--master-port", _free_port(), "--grace-period", "5"]
+              "--master-addr", "127.0.0.1", "--master-port", str(rendezvous_port()), "--grace-period", "5"]
     with ThreadPoolExecutor(2) as pool:  # both start at once, as two machines would
         started = [pool.submit(ServeProcess, *common, "--node-rank", "0", *node0_flags),
                    pool.submit(ServeProcess, *common, "--node-rank", "1")]

@@ -2,10 +2,10 @@
 output token-identical to transformers (with chunked prefill and preemption too); micro-batches in flight
 overlap, shown by the stages' own timestamps; two "nodes" (a stage each) in one process tree; what is not
 supported is refused naming the flag."""
-import socket
 
 import pytest
 
+from grpc_fixtures import rendezvous_port
 from oracle import greedy
 from pagoda.engine import LLM, EngineConfig, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
@@ -56,11 +56,6 @@ def test_two_stages_match_transformers_and_their_micro_batches_overlap(tmp_path)
     assert overlapped, (first, second)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_a_stage_per_node(checkpoint):
     """--nnodes 2 with --pipeline-parallel-size 2: node 0 (this process) runs stage 0, node 1 stage 1; a mixture
@@ -68,7 +63,7 @@ def test_a_stage_per_node(checkpoint):
     path = checkpoint("mixtral")
     want = greedy(path, PROMPTS, 12)
     flags = dict(model=path, dtype="float32", device="cpu", num_kv_blocks=64, pipeline_parallel_size=2, nnodes=2,
-                 master_port=_free_port())
+                 master_port=rendezvous_port())
     node = Node(EngineConfig(**flags, node_rank=1))
     try:
         assert list(node.ranks) == [1]

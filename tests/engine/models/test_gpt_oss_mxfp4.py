@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from conftest import FAMILIES
-from oracle import greedy, random_prompts
+from oracle import greedy, random_prompts, with_biases
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.demo import build_tiny_checkpoint
 from pagoda.engine.layers import cpu_ops, moe
@@ -28,12 +28,7 @@ def checkpoints(tmp_path_factory):
     that two ranks hold a block of 32 each) with every bias set, its experts quantized to MXFP4."""
     base = build_tiny_checkpoint(str(tmp_path_factory.mktemp("gpt-oss")), **{**FAMILIES["gpt_oss"],
                                                                               "intermediate_size": 64})
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") and not p.abs().any():
-                p.normal_(0, 0.3)
+    model = with_biases(base)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     packed = {}
     with torch.no_grad():

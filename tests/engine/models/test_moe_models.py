@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from oracle import greedy, make_adapter, random_prompts
+from oracle import greedy, make_adapter, random_prompts, with_biases
 from pagoda.engine import LLM, SamplingParams
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
@@ -71,12 +71,7 @@ def test_gpt_oss_with_every_bias_set_matches_transformers_on_one_and_two_ranks(c
     (the experts' interleaved gate | up columns, the down bias once across ranks) is what is checked."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint("gpt_oss"), dtype=torch.float32)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") and not p.abs().any():
-                p.normal_(0, 0.3)
+    model = with_biases(checkpoint("gpt_oss"))
     path = str(tmp_path / "gpt-oss-biased")
     model.save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(checkpoint("gpt_oss")).save_pretrained(path)
