@@ -75,10 +75,18 @@ MODEL_CONFIGS = {
                                              num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
                                              head_dim=128, tie_word_embeddings=False, rope_theta=1e6,
                                              max_position_embeddings=40960)),
+    # gpt-oss-20b's (32 experts of 2880, top 4, MXFP4 experts as it ships them; 64 / 8 heads of 64, sinks,
+    # sliding window 128 every other layer, YaRN); 2 of its 24 layers (the random float32 build is 11 GiB)
+    "gpt-oss-20b-2l": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                                       num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=2,
+                                       num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                       sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                                       tie_word_embeddings=False, max_position_embeddings=131072)),
     "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=8, rope_theta=5e5,
                                 max_position_embeddings=8192)),
 }
+MXFP4_EXPERTS = {"gpt-oss-20b-2l"}  # written as the model ships: experts in MXFP4, the rest in bfloat16
 GPU_ONLY = {"llama3-8b": "a random Llama-3-8B is 32 GB of float32 weights on disk and in memory"}
 
 
@@ -174,12 +182,51 @@ def cached_checkpoint(name: str) -> str:
     print(f"building random checkpoint {name} in {path} (once) ...", file=sys.stderr, flush=True)
     tmp = tempfile.mkdtemp(dir=cache_root(), prefix=f".bench-{name}-")
     build_tiny_checkpoint(tmp, arch, seed=0, **overrides)
+    if name in MXFP4_EXPERTS:
+        mxfp4_experts(tmp)
     try:
         os.rename(tmp, path)  # atomic; a concurrent builder's copy wins
     except OSError:
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def mxfp4_experts(path: str) -> None:
+    """Rewrite a random gpt-oss checkpoint as gpt-oss ships: each expert projection in MXFP4 (`*_blocks`,
+    `*_scales`, quantization_config mxfp4), every other tensor in bfloat16."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pagoda.engine.layers.moe import quantize_mxfp4
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    out = {}
+    for f in files:
+        with safe_open(os.path.join(path, f), "pt") as st:
+            for key in st.keys():
+                t = st.get_tensor(key)
+                if key.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out]: MXFP4 rows: out
+                    pairs = [quantize_mxfp4(t[e].t().contiguous()) for e in range(t.shape[0])]
+                    out[key + "_blocks"] = torch.stack([b for b, _ in pairs])
+                    out[key + "_scales"] = torch.stack([s for _, s in pairs])
+                else:
+                    out[key] = t.to(torch.bfloat16) if t.is_floating_point() else t
+        os.remove(os.path.join(path, f))
+    for f in os.listdir(path):
+        if f.endswith(".safetensors.index.json"):
+            os.remove(os.path.join(path, f))
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["dtype"] = config["torch_dtype"] = "bfloat16"
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def token_pool(tokenizer) -> np.ndarray:

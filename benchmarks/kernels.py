@@ -15,7 +15,9 @@ contiguous tensors (the gather is not timed). Needs a CUDA GPU (exit status 2 wi
 --compile-only needs no GPU: it compiles every kernel variant for sm_90 (or --arch) with Triton's
 own ptxas and prints registers, register spills (stack bytes) and shared memory per variant; the
 exit status is 1 when a variant fails to compile or spills. It compiles the linear-attention kernels
-(engine/layers/triton_delta_rule.py: causal conv1d, gated delta rule) too.
+(engine/layers/triton_delta_rule.py: causal conv1d, gated delta rule) and the mixture-of-experts ones
+(engine/layers/triton_moe.py: the gate_up and down grouped GEMMs, SiLU experts in float32, bfloat16 and float16,
+gpt-oss's and int8 ones in --dtype) too.
 """
 import argparse
 import json
@@ -411,6 +413,44 @@ def capture_delta_rule_launches(dtype):
     return launches
 
 
+# MoE shapes: (experts, hidden, intermediate, top_k, gpt-oss): Qwen3-30B-A3B's, gpt-oss-20b's
+MOE_SHAPES = [(128, 2048, 768, 8, False), (32, 2880, 2880, 4, True)]
+
+
+def capture_moe_launches(dtype):
+    """As capture_launches, for triton_moe.fused_experts: a decode step's row blocks and a prefill's, SiLU experts
+    in each float dtype and int8, gpt-oss's (biases, clamped SwiGLU) in dtype and int8. The weights are allocated,
+    never touched."""
+    from triton.runtime.jit import JITFunction
+
+    from pagoda.engine.layers import triton_moe as tm
+
+    launches = []
+    run = JITFunction.run
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))
+    try:
+        for e, hidden, inter, top_k, gpt_oss in MOE_SHAPES:
+            for wdtype in ((dtype,) if gpt_oss else (torch.float32, torch.bfloat16, torch.float16)) + (torch.int8,):
+                xdtype = dtype if wdtype == torch.int8 else wdtype
+                if wdtype == torch.int8:  # row-major, a float32 scale per row (Experts.quantize_int8_)
+                    w13 = torch.empty(e, 2 * inter, hidden, dtype=wdtype)
+                    w2 = torch.empty(e, hidden, inter, dtype=wdtype)
+                    scales = dict(s13=torch.empty(e, 2 * inter), s2=torch.empty(e, hidden))
+                else:  # k-major, as Experts holds them
+                    w13 = torch.empty(e, hidden, 2 * inter, dtype=wdtype).transpose(1, 2)
+                    w2 = torch.empty(e, inter, hidden, dtype=wdtype).transpose(1, 2)
+                    scales = {}
+                extra = dict(b13=torch.empty(e, 2 * inter, dtype=xdtype), b2=torch.empty(e, hidden, dtype=xdtype),
+                             swiglu_alpha=1.702, swiglu_limit=7.0) if gpt_oss else {}
+                for num_tokens in (1, 256):  # row blocks of 16 and of 64
+                    ids = torch.arange(num_tokens * top_k).view(num_tokens, top_k) % e
+                    tm.fused_experts(torch.empty(num_tokens, hidden, dtype=xdtype), w13, w2,
+                                     torch.empty(num_tokens, top_k), ids, **scales, **extra)
+    finally:
+        JITFunction.run = run
+    return launches
+
+
 def compile_launch(fn, args, kwargs, target):
     # the signature / constexprs / divisibility attributes JITFunction.run would derive
     import triton
@@ -461,7 +501,7 @@ def compile_only(args) -> int:
     target = GPUTarget("cuda", args.arch, 32)
     failed, seen = 0, set()
     launches = capture_launches(ta, DTYPES[args.dtype], args.block_size) + capture_delta_rule_launches(
-        DTYPES[args.dtype])
+        DTYPES[args.dtype]) + capture_moe_launches(DTYPES[args.dtype])
     for fn, launch_args, kwargs in launches:
         try:
             kernel, consts = compile_launch(fn, launch_args, kwargs, target)
@@ -469,7 +509,9 @@ def compile_only(args) -> int:
             print(f"FAILED {fn.__name__} {kwargs}: {type(e).__name__}: {e}")
             failed += 1
             continue
-        key = (fn.__name__, str(consts))
+        types = ",".join(dict.fromkeys(str(a.dtype).removeprefix("torch.") for a in launch_args
+                                       if isinstance(a, torch.Tensor)))  # one kernel's variants may differ only here
+        key = (fn.__name__, str(consts), types)
         if key in seen:
             continue
         seen.add(key)
@@ -477,7 +519,7 @@ def compile_only(args) -> int:
         spills = use.get("STACK", 0) + use.get("LOCAL", 0)
         failed += spills > 0
         print(f"{'SPILLS' if spills else 'ok':6s} {fn.__name__:22s} regs={use.get('REG', '?'):<4} "
-              f"spill_bytes={spills:<5d} smem={kernel.metadata.shared:<6d} {consts}")
+              f"spill_bytes={spills:<5d} smem={kernel.metadata.shared:<6d} {consts} {types}")
     print(f"sm_{args.arch}, {args.dtype}: {len(seen)} variants, {failed} failed or spilled")
     return 1 if failed else 0
 

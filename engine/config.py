@@ -263,7 +263,9 @@ class EngineConfig:
     """A field with a "help" in its metadata is also a `pagoda serve` flag and PAGODA_* variable;
     server/main.py's add_options says what the other metadata keys mean."""
     model: str | None = field(default=None, metadata={"help": (
-        "HF model directory or hub id, also given as `pagoda serve MODEL` (default: the built-in demo model)"),
+        "HF model directory or hub id; a GGUF file, a directory holding one, ollama:NAME[:TAG], or a GGUF on the "
+        "hub as REPO:QUANT (e.g. Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M) or REPO/FILE.gguf; also given as "
+        "`pagoda serve MODEL` (default: the built-in demo model)"),
         "none": ""})
     # the tokenizer (and its chat template) from this directory or hub id instead of the checkpoint's: a GGUF's
     # embedded one replaced, as vLLM's --tokenizer (engine/loader.py resolve_tokenizer_path)

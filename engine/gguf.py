@@ -1,8 +1,11 @@
 """GGUF checkpoints (llama.cpp's files, Ollama's blobs): where one is (a file, a directory holding one, split
-files, `ollama:NAME[:TAG]` in the local Ollama store), its config and tokenizer from its metadata (transformers'
-GGUF readers), and its tensors into a model (this rank's rows, or columns in whole blocks): floats as floats,
-the block types pagoda's CPU kernels compute on kept as blocks (GGUFWeight, computed on by
-engine/layers/quantization.py), other types widened to the model's dtype.
+files, `ollama:NAME[:TAG]` in the local Ollama store; on the hub: engine/loader.py hub_gguf), its config and
+tokenizer from its metadata (transformers' GGUF readers; _family_config), and its tensors into a model (this
+rank's rows, or columns in whole blocks): floats as floats, the block types pagoda's CPU kernels compute on kept
+as blocks (GGUFWeight, computed on by engine/layers/quantization.py), other types widened to the model's dtype.
+Mixtures of experts (Mixtral, written as llama with experts; Qwen2-MoE; Qwen3-MoE; gpt-oss): each projection's
+experts are one 3-d tensor, placed per expert and kept in its blocks for the CPU expert op (csrc/moe_cpu.cpp:
+those types and MXFP4).
 
 Reading uses the `gguf` package (llama.cpp's own gguf-py, which transformers' GGUF support needs as well):
 it follows the format as llama.cpp changes it, and its dequantize is the tests' oracle for every type."""
@@ -23,14 +26,38 @@ MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # general.architecture -> the transformers class pagoda serves it as
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM",  # Mixtral: llama with experts
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+# the families whose config is built here from the metadata (_family_config): transformers' GGUF reader knows none of
+# the last three, and leaves out of the first three what their models read (soft-caps, layer pattern, partial RoPE)
+_FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3")
+_TOKEN_IDS = (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))  # the config's and tokenizer.ggml.*'s names
+# families transformers' GGUF reader refuses (gpt-oss: it fails on the rope.scaling.* fields its files have)
+_NO_READER = ("olmo2", "granite", "smollm3", "gpt-oss")
+_PERMUTED = ("llama", "granite", "smollm3")  # the convert script's LlamaModel and its subclasses permute Q/K rows
 # llama.cpp's tensor names -> the Hugging Face checkpoint's (a layer's: under model.layers.N.)
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_PREFIX = "model.layers"
 _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
                 "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
-                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                # mixtures of experts: the router, Qwen2-MoE's shared expert and its gate ([hidden] in the file)
+                "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+_GPT_OSS_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.router", "post_attention_norm": "post_attention_layernorm",
+                  "attn_sinks": "self_attn.sinks"}
+# Gemma's and OLMo 2's norms after attention and the MLP; Phi-3's fused q|k|v and gate|up
+_POST_NORMS = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_FAMILY_NAMES = {"gemma2": _POST_NORMS, "gemma3": _POST_NORMS, "olmo2": _POST_NORMS, "gpt-oss": _GPT_OSS_NAMES,
+                 "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# the experts' 3-d tensors (one a projection holding every expert: ggml [in, out, E], biases [out, E]) -> the piece
+# of engine/layers/moe.py Experts they fill
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
 # GPT-2's (its linear weights stored [out, in] as pagoda's layers hold them, not as its Conv1D checkpoints)
 _GPT2_NAMES = ({"token_embd": "transformer.wte", "position_embd": "transformer.wpe", "output_norm": "transformer.ln_f",
                 "output": "lm_head"}, "transformer.h",
@@ -41,6 +68,8 @@ _FLOATS = ("F32", "F16", "BF16")
 GGUF_KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
                      "Q5_1": (7, 32, 24), "IQ4_NL": (20, 32, 18), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
                      "Q6_K": (14, 256, 210)}
+# the experts' op (csrc/moe_cpu.cpp) computes on those and on MXFP4 (gpt-oss's experts): (weights, bytes) a block
+EXPERT_TYPES = {**{k: v[1:] for k, v in GGUF_KERNEL_TYPES.items()}, "MXFP4": (32, 17)}
 
 
 @dataclass
@@ -82,8 +111,7 @@ def find_gguf(model: str) -> str | None:
         return None
     if not os.path.isdir(path) or glob.glob(os.path.join(path, "*.safetensors")):
         return None
-    firsts = sorted(f for f in glob.glob(os.path.join(path, "*.gguf"))
-                    if not _SPLIT.match(os.path.basename(f)) or _SPLIT.match(os.path.basename(f))["index"] == "00001")
+    firsts = sorted(f for f in glob.glob(os.path.join(path, "*.gguf")) if split_names(f)[0] == f)
     if len(firsts) > 1:
         raise ValueError(f"model {model!r} holds several GGUF files ({', '.join(map(os.path.basename, firsts))}): "
                          f"pass the one to serve")
@@ -113,17 +141,21 @@ def ollama_blob(ref: str) -> str:
     return blob
 
 
-def split_files(path: str) -> list[str]:
-    """Every piece of a split GGUF (NAME-00001-of-0000N.gguf, ...) given its first, else [path]."""
+def split_names(path: str) -> list[str]:
+    """Every piece's name of a split GGUF (NAME-00001-of-0000N.gguf, ...) given any of them, else [path]."""
     m = _SPLIT.match(os.path.basename(path))
     if m is None:
         return [path]
-    count = int(m["count"])
-    files = [os.path.join(os.path.dirname(path), f"{m['stem']}-{i:05d}-of-{count:05d}.gguf")
-             for i in range(1, count + 1)]
+    return [os.path.join(os.path.dirname(path), f"{m['stem']}-{i:05d}-of-{m['count']}.gguf")
+            for i in range(1, int(m["count"]) + 1)]
+
+
+def split_files(path: str) -> list[str]:
+    """Every piece of a split GGUF given its first, else [path]."""
+    files = split_names(path)
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
-        raise ValueError(f"{path}: split GGUF lacks {os.path.basename(missing[0])} ({count} pieces)")
+        raise ValueError(f"{path}: split GGUF lacks {os.path.basename(missing[0])} ({len(files)} pieces)")
     return files
 
 
@@ -165,17 +197,26 @@ def file_type(reader) -> str:
 
 
 def load_config(path: str):
-    """The transformers config the file's metadata describes (AutoConfig's GGUF reader), with what it leaves
-    out: the architecture class, head_dim (attention.key_length) and the special token ids."""
+    """The transformers config the file's metadata describes (AutoConfig's GGUF reader; _family_config for
+    _FAMILIES), with what it leaves out: the architecture class, head_dim (attention.key_length) and the special
+    token ids."""
     from transformers import AutoConfig
 
     reader = open_reader(path)
     arch = architecture(reader, path)
-    try:
-        config = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    except Exception as e:  # noqa: BLE001 - a field missing or of the wrong type
-        raise ValueError(f"{path}: cannot build a config from its metadata ({' '.join(str(e).split())})") from None
+    if arch in _FAMILIES:
+        config = _family_config(reader, arch, path)
+    elif arch == "gpt-oss":  # transformers' reader misses most of it, and fails on per-layer arrays
+        config = _gpt_oss_config(reader, path)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        except Exception as e:  # noqa: BLE001 - a field missing or of the wrong type
+            raise ValueError(f"{path}: cannot build a config from its metadata ({' '.join(str(e).split())})") \
+                from None
     config.architectures = [ARCHITECTURES[config.model_type if config.model_type in ARCHITECTURES else arch]]
+    if _field(reader, f"{arch}.expert_count"):
+        config = _moe_config(config, reader, arch)
     head_dim = _field(reader, f"{arch}.attention.key_length")
     if head_dim is not None and arch != "gpt2":
         config.head_dim = int(head_dim)
@@ -183,15 +224,146 @@ def load_config(path: str):
         config.n_positions = config.n_ctx
         inner = _field(reader, "gpt2.feed_forward_length")
         config.n_inner = None if inner is None else int(inner)
-    for key in ("bos", "eos", "padding"):
-        token = _field(reader, f"tokenizer.ggml.{key}_token_id")
+    for key, gguf_key in _TOKEN_IDS:
+        token = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id")
         if token is not None:
-            setattr(config, f"{'pad' if key == 'padding' else key}_token_id", int(token))
+            setattr(config, f"{key}_token_id", int(token))
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # Llama 3.1+: the scaling is in this tensor, not in the metadata
         config.rope_parameters = _llama3_rope(np.array(freqs.data, dtype=np.float32).reshape(-1), reader, arch, path)
     types = sorted({t.tensor_type.name for t in reader.tensors})
     config.gguf = {"file": path, "types": types}  # what the weights are stored in, for the log and refusals
+    return config
+
+
+def _moe_config(config, reader, arch: str):
+    """What transformers' GGUF reader leaves out of a mixture of experts' config: Mixtral (llama with experts) as
+    MixtralConfig; the experts' sizes; whether the top-k weights are renormalised; the dense layers (no router)."""
+    from transformers import MixtralConfig
+
+    if arch == "gpt-oss":  # _gpt_oss_config has it all
+        return config
+    experts, used = int(_field(reader, f"{arch}.expert_count")), int(_field(reader, f"{arch}.expert_used_count", 1))
+    expert_ff = _field(reader, f"{arch}.expert_feed_forward_length")
+    layers = config.num_hidden_layers
+    if arch == "llama":  # Mixtral: every expert's size is the feed-forward length
+        keep = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "head_dim")}
+        config = MixtralConfig(**keep, num_local_experts=experts, num_experts_per_tok=used)
+        config.architectures = ["MixtralForCausalLM"]
+        return config
+    # Qwen2-MoE / Qwen3-MoE: llama.cpp renormalises Qwen3's top-k weights, not Qwen2's
+    config.num_experts, config.num_experts_per_tok = experts, used
+    if expert_ff is not None:
+        config.moe_intermediate_size = int(expert_ff)
+    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        config.shared_expert_intermediate_size = int(shared)
+    config.norm_topk_prob = bool(_field(reader, f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+    routed = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
+    config.decoder_sparse_step, config.mlp_only_layers = 1, [i for i in range(layers) if i not in routed]
+    return config
+
+
+def _family_config(reader, arch: str, path: str):
+    """The config of a _FAMILIES file, from the metadata llama.cpp's convert script writes, and llama.cpp's own
+    constants where it writes none: Gemma 2's alternating windows and Gemma 3's five sliding layers to a full one
+    (RoPE base 10000 on the sliding ones), Gemma's query scale (the hidden size over the heads for the 27B models,
+    else the head size), SmolLM3's RoPE-less fourth layers. ValueError naming the file and the field."""
+    from transformers import AutoConfig
+
+    def get(key, default=ValueError):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is ValueError:
+            raise ValueError(f"{path}: lacks {arch}.{key}, which a {arch} file has")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: lacks the tensor token_embd.weight")
+    hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    window = int(get("attention.sliding_window", 0) or 0)
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling = get("rope.scaling.type", "none")
+    if scaling == "linear":
+        rope.update(rope_type="linear", factor=float(get("rope.scaling.factor")))
+    elif scaling != "none":
+        raise ValueError(f"{path}: {arch}.rope.scaling.type {scaling!r} is not one pagoda reads from a {arch} file")
+    kw = dict(vocab_size=_rows(tensors["token_embd.weight"])[0], hidden_size=hidden, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv", heads)),
+              intermediate_size=int(get("feed_forward_length")), max_position_embeddings=int(get("context_length")),
+              rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
+              tie_word_embeddings="output.weight" not in tensors,
+              attention_bias=any(n.endswith(("attn_q.bias", "attn_qkv.bias")) for n in tensors),
+              **{f"{k}_token_id": _field(reader, f"tokenizer.ggml.{g}_token_id") for k, g in _TOKEN_IDS})
+    if arch in ("gemma2", "gemma3"):
+        big = layers == (46 if arch == "gemma2" else 62)  # llama.cpp's test for the 27B models
+        final = float(get("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0))
+        kw.update(head_dim=head_dim, query_pre_attn_scalar=hidden // heads if big else head_dim,
+                  final_logit_softcapping=final or None)
+    if arch == "gemma2":
+        window = window or 4096
+        kw.update(attn_logit_softcapping=float(get("attn_logit_softcapping", 50.0)) or None, sliding_window=window,
+                  layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+    elif arch == "gemma3":
+        local = {"rope_type": "default", "rope_theta": 10000.0}
+        kw.update(attn_logit_softcapping=None, sliding_window=window or None,
+                  rope_parameters={"full_attention": rope, "sliding_attention": local},
+                  layer_types=["sliding_attention" if window and (i + 1) % 6 else "full_attention"
+                               for i in range(layers)])
+    elif arch == "phi3":  # no key_length: the head is hidden / heads, rope.dimension_count of it rotated
+        kw["partial_rotary_factor"] = int(get("rope.dimension_count", hidden // heads)) / (hidden // heads)
+        rope["partial_rotary_factor"] = kw["partial_rotary_factor"]
+        original = int(get("rope.scaling.original_context_length", kw["max_position_embeddings"]))
+        if "rope_factors_long.weight" in tensors:  # LongRoPE (Phi-3.5, Phi-4-mini): its factors are tensors
+            factors = {k: np.array(tensors[f"rope_factors_{k}.weight"].data, dtype=np.float32).tolist()
+                       for k in ("long", "short")}
+            rope.update(rope_type="longrope", long_factor=factors["long"], short_factor=factors["short"],
+                        original_max_position_embeddings=original)
+        kw.update(original_max_position_embeddings=original, sliding_window=window or None)
+    elif arch == "olmo2" and window:
+        raise ValueError(f"{path}: olmo2.attention.sliding_window is set: an OLMo 3 file, which pagoda does not "
+                         f"serve from GGUF")
+    elif arch == "granite":  # llama.cpp: no attention.scale is 1/sqrt(head size), no other scale is 1
+        kw.update(attention_multiplier=float(get("attention.scale", 0.0)) or head_dim ** -0.5,
+                  embedding_multiplier=float(get("embedding_scale", 1.0)),
+                  residual_multiplier=float(get("residual_scale", 1.0)), logits_scaling=float(get("logit_scale", 1.0)))
+    elif arch == "smollm3":
+        kw.update(no_rope_layer_interval=4, use_sliding_window=False)
+    return AutoConfig.for_model({"gemma3": "gemma3_text"}.get(arch, arch), **kw)
+
+
+def _gpt_oss_config(reader, path: str):
+    """gpt-oss's config from the metadata llama.cpp's convert script writes, and llama.cpp's own constants where it
+    writes none: SwiGLU clamped at 7, sliding windows on the even layers, YaRN's betas 32 and 1. ValueError naming
+    the file and the field."""
+    from transformers import GptOssConfig
+
+    def get(key, default=ValueError):
+        value = _field(reader, f"gpt-oss.{key}", default)
+        if value is ValueError:
+            raise ValueError(f"{path}: lacks gpt-oss.{key}, which a gpt-oss file has")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: lacks the tensor token_embd.weight")
+    layers, heads, limit = int(get("block_count")), int(get("attention.head_count")), get("swiglu_clamp_exp", 7.0)
+    rope = {"rope_type": "yarn", "rope_theta": float(get("rope.freq_base", 150000.0)),
+            "factor": float(get("rope.scaling.factor", 1.0)),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False,
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", get("context_length")))}
+    config = GptOssConfig(
+        vocab_size=_rows(tensors["token_embd.weight"])[0], hidden_size=int(get("embedding_length")),
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=int(get("attention.head_count_kv")),
+        head_dim=int(get("attention.key_length")), max_position_embeddings=int(get("context_length")),
+        intermediate_size=int(get("expert_feed_forward_length")), num_local_experts=int(get("expert_count")),
+        num_experts_per_tok=int(get("expert_used_count")), rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        sliding_window=int(get("attention.sliding_window")), rope_parameters=rope,
+        swiglu_limit=float(limit[0] if isinstance(limit, list) else limit),
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        tie_word_embeddings="output.weight" not in tensors)
     return config
 
 
@@ -215,11 +387,13 @@ def _llama3_rope(factors: np.ndarray, reader, arch: str, path: str) -> dict:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer (and chat template) the file's metadata describes (transformers' GGUF converter)."""
-    from transformers import AutoTokenizer
+    """The tokenizer (and chat template) the file's metadata describes (transformers' GGUF converter; the
+    generic fast tokenizer for a family transformers' GGUF reader does not know, as AutoTokenizer reads that)."""
+    from transformers import AutoTokenizer, TokenizersBackend
 
+    cls = TokenizersBackend if _field(open_reader(path), "general.architecture") in _NO_READER else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        return cls.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     except Exception as e:  # noqa: BLE001 - tokenizer.ggml.* fields missing or of a model it cannot rebuild
         raise ValueError(f"{path}: cannot rebuild the tokenizer from its tokenizer.ggml.* metadata "
                          f"({' '.join(str(e).split())}); pass a tokenizer directory") from None
@@ -228,12 +402,14 @@ def load_tokenizer(path: str):
 def hf_name(name: str, arch: str = "llama") -> str | None:
     """A llama.cpp tensor name as the Hugging Face checkpoint names it (None: nothing pagoda loads)."""
     names, prefix, layer = _GPT2_NAMES if arch == "gpt2" else (_GLOBAL_NAMES, _LAYER_PREFIX, _LAYER_NAMES)
+    layer = _FAMILY_NAMES.get(arch, layer)
     base, _, kind = name.rpartition(".")
     if base in names:
         return f"{names[base]}.{kind}"
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
-        return f"{prefix}.{parts[1]}.{layer[parts[2]]}.{kind}"
+        kind = "" if parts[2] == "attn_sinks" else f".{kind}"  # a parameter of its own, not a layer's weight
+        return f"{prefix}.{parts[1]}.{layer[parts[2]]}{kind}"
     return None
 
 
@@ -280,8 +456,8 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
     arch = architecture(readers[0], path)
     log.info("reading the weights: %d GGUF file%s, %.2f GiB", len(files), "s" * (len(files) > 1),
              sum(os.path.getsize(f) for f in files) / 2**30)
-    heads = {"q_proj": _field(readers[0], "llama.attention.head_count"),  # the rows llama.cpp permuted
-             "k_proj": _field(readers[0], "llama.attention.head_count_kv")} if arch == "llama" else {}
+    heads = {"q_proj": _field(readers[0], f"{arch}.attention.head_count"),  # the rows llama.cpp permuted
+             "k_proj": _field(readers[0], f"{arch}.attention.head_count_kv")} if arch in _PERMUTED else {}
     params = dict(model.named_parameters())
     dtype, device = next(iter(params.values())).dtype, next(iter(params.values())).device
     native, why = cpu_ops.is_available(device)
@@ -289,6 +465,9 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
     blocks: dict[torch.nn.Module, dict] = {}  # linear layer or embedding -> {shard: (ggml type, blocks)}
     for reader, file in zip(readers, files):
         for t in reader.tensors:
+            if _EXPERTS.match(t.name):
+                missing.discard(_load_experts(model, params, t, file, native, dtype, widened))
+                continue
             name = hf_name(t.name, arch)
             target = None if name is None else param_of(model, params, name, f"{file} (as {t.name!r})")
             if target is None:
@@ -305,6 +484,8 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
                 tensor = _float(t, dtype, file)
                 if kind not in _FLOATS:
                     widened.setdefault(kind, []).append(t.name)
+                if tensor.dim() == 1 and params[pname].dim() == 2:  # Qwen2-MoE's shared expert gate: [hidden]
+                    tensor = tensor.view(1, -1)
             proj = name.rsplit(".", 2)[-2]
             if proj in heads:
                 tensor = _unpermute(tensor, heads[proj])
@@ -315,6 +496,10 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
             else:
                 copy_into(owner, pname, params[pname], shard, tensor, file, t.name)
             missing.discard(pname)
+    for mname, m in model.named_modules():  # experts kept as blocks: gate and up of different types widened
+        for piece in m.finish_gguf_() if getattr(m, "gguf_pieces", None) else ():
+            widened.setdefault("gate and up in different types", []).append(
+                f"blk.{mname.split('.')[1]}.ffn_{piece}_exps.weight")
     missing = {n for n in missing if not n.startswith(optional)} if optional else missing
     if missing:
         raise ValueError(f"{path} lacks weights for: {', '.join(sorted(missing)[:8])}")
@@ -329,6 +514,61 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
                if native else f"not on pagoda's CPU ops: {why}")
         log.info("GGUF %s: widened to %s (%s): %s", os.path.basename(path), str(dtype).removeprefix("torch."), why,
                  "; ".join(f"{k}: {', '.join(v)}" for k, v in widened.items()))
+
+
+@torch.no_grad()
+def _load_experts(model, params: dict, t, file: str, native: bool, dtype: torch.dtype, widened: dict) -> str:
+    """An experts' tensor (ggml [in, out, E]: every expert's gate, up or down projection; or [out, E] their
+    biases) into the layer's Experts (engine/layers/moe.py): this rank's rows of gate / up, its columns of down
+    (in whole blocks). Blocks of a type the CPU op computes on (GGUF_KERNEL_TYPES, MXFP4) stay blocks where it
+    runs; other types are widened. Returns the parameter filled."""
+    layer, piece, kind = _EXPERTS.match(t.name).groups()
+    hf = f"{_LAYER_PREFIX}.{layer}.mlp.experts.{'down_proj' if piece == 'down' else 'gate_up_proj'}"
+    owner, pname, _ = param_of(model, params, hf + ("_bias" if kind == "bias" else ""), f"{file} (as {t.name!r})")
+    E, n, hidden = owner.num_experts, owner.intermediate_size, owner.hidden_size
+    a = owner.tp.rank * n
+    full = (hidden, owner.full_intermediate) if piece == "down" else (owner.full_intermediate, hidden)
+    shape = [int(x) for x in reversed(t.shape)]  # [E, out, in] (bias: [E, out])
+    want = [E, full[0]] if kind == "bias" else [E, *full]
+    if shape != want:
+        raise ValueError(f"{file}: tensor {t.name!r} holds {shape} ([experts, out, in]), the model's {pname} wants "
+                         f"{want}")
+    type_name = t.tensor_type.name
+    up = (piece == "up") * n  # where up's rows start in gate_up_proj
+    if kind == "bias":
+        b = _float(t, dtype, file)  # [E, out]
+        if piece == "down":  # added to the partial sums once: rank 0's
+            params[pname].copy_(b if owner.tp.rank == 0 else torch.zeros_like(b))
+        else:
+            params[pname][:, up:up + n].copy_(b[:, a:a + n])
+        return pname
+    block = EXPERT_TYPES.get(type_name)
+    whole = block is not None and (piece != "down" or (a % block[0] == 0 and n % block[0] == 0))
+    if native and whole:
+        raw = torch.from_numpy(t.data).view(torch.uint8).reshape(E, shape[1], -1)
+        raw = raw[:, :, a // block[0] * block[1]:(a + n) // block[0] * block[1]] if piece == "down" else raw[:, a:a + n]
+        w, s = _repack_mxfp4(raw) if type_name == "MXFP4" else (raw.clone(), None)
+        owner.load_gguf_(piece, type_name, w, s, n if piece == "down" else hidden)
+        return pname
+    w = _float(t, dtype, file).view(*shape)
+    if type_name not in _FLOATS:
+        widened.setdefault(type_name, []).append(t.name)
+    if piece == "down":
+        params[pname].copy_(w[:, :, a:a + n])
+    else:
+        params[pname][:, up:up + n].copy_(w[:, a:a + n])
+    return pname
+
+
+def _repack_mxfp4(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF MXFP4 blocks [..., K / 32 * 17] (an exponent byte, then 16 bytes: value j in the low nibble of byte j,
+    j + 16 in the high one) -> (blocks [..., K / 32, 16], exponents [..., K / 32]) as engine/layers/moe.py's MXFP4
+    (value 2j in the low nibble of byte j, 2j + 1 in the high one; same codes and exponents: gguf.quants' halved
+    scale and doubled codes cancel)."""
+    b = raw.unflatten(-1, (-1, 17))
+    q = b[..., 1:]
+    v = torch.cat([q & 15, q >> 4], dim=-1)  # [..., 32] codes in order
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).contiguous(), b[..., 0].contiguous()
 
 
 def _whole_blocks(owner, cols: int, block: int) -> bool:

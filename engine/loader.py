@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 
 import torch
@@ -26,7 +27,8 @@ CHECKPOINT_FILES = ("a checkpoint directory holds config.json, the tokenizer fil
 
 def resolve_model_path(model: str) -> str:
     """A local checkpoint directory, a hub id downloaded (safetensors only) once, or a GGUF file (engine/gguf.py
-    find_gguf: a file, a directory holding one, ollama:NAME); ValueError naming `model` and what is missing."""
+    find_gguf: a file, a directory holding one, ollama:NAME; hub_gguf: REPO:QUANT, REPO/FILE.gguf); ValueError
+    naming `model` and what is missing."""
     found = gguf.find_gguf(model)  # a GGUF file, a directory holding one, ollama:NAME
     if found is not None:
         return found
@@ -36,6 +38,9 @@ def resolve_model_path(model: str) -> str:
     if os.path.exists(path):
         raise ValueError(f"model must be a checkpoint directory or a hub id, got the file {model!r}: "
                          f"{CHECKPOINT_FILES}")
+    found = hub_gguf(model)
+    if found is not None:
+        return found
     if not _is_hub_id(model):
         raise ValueError(f"model {model!r}: no such directory (a local checkpoint directory, or a Hugging Face "
                          f"hub id such as Qwen/Qwen3-0.6B)")
@@ -69,20 +74,96 @@ def _is_hub_id(model: str) -> bool:
 
 def _download(model: str, patterns: list[str] = _HUB_FILES, what: str = "model") -> str:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         return snapshot_download(model, allow_patterns=patterns)
-    except GatedRepoError:
+    except Exception as e:  # noqa: BLE001 - said in one line
+        raise _hub_error(f"{what} {model!r} is not a local directory", e, f"hf download {model}") from None
+
+
+def _hub_error(what: str, e: BaseException, download: str) -> ValueError:
+    """The hub's failure in one line: `what`, then why, with the `hf` command that would fetch the files."""
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
+    if isinstance(e, GatedRepoError):
         why = "is gated: accept its terms on huggingface.co, then log in (`hf auth login`)"
-    except RepositoryNotFoundError:
+    elif isinstance(e, RepositoryNotFoundError):
         why = "has no such repository (or it is private: log in with `hf auth login`)"
-    except LocalEntryNotFoundError:  # offline (HF_HUB_OFFLINE=1), or the hub unreachable, and not in the cache
+    elif isinstance(e, RemoteEntryNotFoundError):
+        why = "has no such file in that repository"
+    elif isinstance(e, LocalEntryNotFoundError):  # offline (HF_HUB_OFFLINE=1), or the hub unreachable, not cached
         why = (f"cannot be reached and the model is not in the local cache: download it where there is network "
-               f"(`hf download {model}`, into the same HF_HOME) or pass a local directory")
-    except Exception as e:  # noqa: BLE001 - the hub's own words, on one line
+               f"(`{download}`, into the same HF_HOME) or pass a local path")
+    else:  # the hub's own words
         why = f"failed: {_one_line(e)}"
-    raise ValueError(f"{what} {model!r} is not a local directory, and the Hugging Face hub {why}")
+    return ValueError(f"{what}, and the Hugging Face hub {why}")
+
+
+# a GGUF named on the hub as llama.cpp's -hf takes it: REPO:QUANT (Q4_K_M, q8_0, ...), or REPO/PATH/FILE.gguf
+_HUB_GGUF = re.compile(r"^(?P<repo>[^/:]+/[^/:]+)(?::(?P<quant>[\w.-]+)|/(?P<file>[^:]+\.gguf))$", re.IGNORECASE)
+
+
+def hub_gguf(model: str) -> str | None:
+    """The local path of the GGUF file (its first piece when split; every piece fetched) that `model` names on the
+    Hugging Face hub: REPO:QUANT, the repo's one file of that quant (its name's last part, or its folder, as
+    llama.cpp matches it), or REPO/FILE.gguf. Downloaded once into the hub cache, read from it offline
+    (HF_HUB_OFFLINE=1). None where `model` is not such a name; ValueError naming it where none or several match."""
+    from huggingface_hub import hf_hub_download
+
+    m = _HUB_GGUF.match(model)
+    if m is None or not _is_hub_id(m["repo"]):
+        return None
+    repo, file = m["repo"], m["file"] or _quant_file(model, m["repo"], m["quant"])
+    pieces = gguf.split_names(file)
+    log.info("model %s: %s from the Hugging Face hub (or its local cache)", model, file)
+    try:
+        paths = [hf_hub_download(repo, piece) for piece in pieces]
+    except Exception as e:  # noqa: BLE001 - said in one line
+        raise _hub_error(f"model {model!r} ({repo}: {file}) is not a local file", e,
+                         f"hf download {repo} {' '.join(pieces)}") from None
+    return paths[0]
+
+
+def _quant_file(model: str, repo: str, quant: str) -> str:
+    """The repo's GGUF file (first piece) whose name ends in the quant, or that lies in a folder named so; not
+    a multimodal projector (mmproj-*)."""
+    names = [n for n in _repo_files(model, repo) if n.lower().endswith(".gguf")
+             and "mmproj" not in os.path.basename(n).lower() and gguf.split_names(n)[0] == n]
+    tag = re.compile(rf"(^|[-._/]){re.escape(quant)}($|[-./])", re.IGNORECASE)
+    found = [n for n in names if tag.search(re.sub(r"(-\d{5}-of-\d{5})?\.gguf$", "", n, flags=re.IGNORECASE))]
+    if len(found) != 1:
+        held = ", ".join(sorted(names)[:12]) or "none"
+        which = f"several match ({', '.join(sorted(found))}): name one as {repo}/FILE.gguf" if found else \
+            f"none is of quant {quant} (its GGUF files: {held})"
+        raise ValueError(f"model {model!r}: of the GGUF files in the Hugging Face repo {repo}, {which}")
+    return found[0]
+
+
+def _repo_files(model: str, repo: str) -> list[str]:
+    """The repo's files: the hub's list, or offline (or the hub unreachable) its cached snapshot's (refs/main)."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+    from huggingface_hub.file_download import repo_folder_name
+
+    if not constants.HF_HUB_OFFLINE:
+        try:
+            return HfApi().list_repo_files(repo)
+        except RepositoryNotFoundError as e:  # gated too
+            raise _hub_error(f"model {model!r} is not a local file", e, f"hf download {repo}") from None
+        except Exception:  # noqa: BLE001 - unreachable: the cache's copy, as hf_hub_download falls back to it
+            pass
+    root = os.path.join(constants.HF_HUB_CACHE, repo_folder_name(repo_id=repo, repo_type="model"))
+    try:
+        with open(os.path.join(root, "refs", "main")) as f:
+            snapshot = os.path.join(root, "snapshots", f.read().strip())
+    except OSError:
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        raise _hub_error(f"model {model!r} is not a local file", LocalEntryNotFoundError(repo),
+                         f"hf download {repo} --include '*{model.rpartition(':')[2]}*'") from None
+    return [os.path.relpath(os.path.join(d, f), snapshot).replace(os.sep, "/")
+            for d, _, files in os.walk(snapshot) for f in files]
 
 
 def check_checkpoint(model: str, path: str) -> str:

@@ -1,9 +1,12 @@
 """Tiny GGUF files written here from tiny transformers checkpoints (engine/demo.py build_tiny_checkpoint), as
-llama.cpp's convert script lays them out (its tensor names, a llama's Q/K rows permuted for its RoPE, the
-tokenizer as tokenizer.ggml.* metadata), with the `gguf` package's GGUFWriter. Linear weights in a chosen
-block type: quantized by gguf.quants where it can (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), else random valid blocks
-(the K-quants), so that the file's weights are whatever gguf.quants.dequantize reads from it."""
+llama.cpp's convert script lays them out (its tensor names, a llama's Q/K rows permuted for its RoPE, Gemma's
+norms as 1 + w, each family's metadata, the tokenizer as tokenizer.ggml.* metadata), with the `gguf` package's
+GGUFWriter. Linear weights in a chosen block type: quantized by gguf.quants where it can (Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1), else random valid blocks (the K-quants), so that the file's weights are whatever
+gguf.quants.dequantize reads from it."""
+import math
 import os
+import re
 
 import gguf
 import numpy as np
@@ -29,10 +32,23 @@ _GPT2 = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "t
 _GPT2_LAYER = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
                "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
 CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # GPT-2's Conv1D weights: [in, out] in its checkpoints
+# llama.cpp's names where a family's differ from Llama's: Gemma's and OLMo 2's norms after attention and the MLP,
+# Phi-3's fused q|k|v and gate|up
+_POST_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+_FAMILY_LAYER = {"gemma2": _POST_NORMS, "gemma3": _POST_NORMS, "olmo2": _POST_NORMS,
+                 "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
+PERMUTED = ("llama", "granite", "smollm3")  # convert_hf_to_gguf.py's LlamaModel and its subclasses permute Q/K
+GEMMA = ("gemma2", "gemma3")  # the converter stores each RMSNorm weight as 1 + w (Gemma's norms scale by it)
 
 
-def gguf_name(hf: str) -> str | None:
+def gguf_name(hf: str, arch: str = "llama") -> str | None:
     base, _, kind = hf.rpartition(".")
+    parts = base.split(".", 3)
+    if len(parts) == 4 and parts[0] == "model" and parts[3] in _FAMILY_LAYER.get(arch, {}):
+        return f"blk.{parts[2]}.{_FAMILY_LAYER[arch][parts[3]]}.{kind}"
+    if arch == "gemma2" and base == "lm_head":  # the converter drops it: Gemma 2 ties it to the embedding
+        return None
     if base in _HF_TO_GGUF or base in _GPT2:
         return f"{_HF_TO_GGUF.get(base) or _GPT2[base]}.{kind}"
     parts = base.split(".", 3)  # model, layers, N, rest (GPT-2: transformer, h, N, rest)
@@ -59,6 +75,121 @@ def blocks(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return quantize(w, qtype)
 
 
+def _gemma2(w, cfg, head_dim):  # convert_hf_to_gguf.py Gemma2Model: no RoPE base (llama.cpp's default 10000)
+    w.add_key_length(head_dim), w.add_value_length(head_dim), w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
+
+
+def _gemma3(w, cfg, head_dim):  # Gemma3Model: the full layers' RoPE (the sliding ones' is llama.cpp's constant)
+    full = cfg.rope_parameters["full_attention"]
+    w.add_key_length(head_dim), w.add_value_length(head_dim), w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if "sliding_attention" in cfg.layer_types:
+        w.add_sliding_window(cfg.sliding_window)
+
+
+def _phi3(w, cfg, head_dim):  # Phi3MiniModel: the rotated dimensions, the window (0: none); no head_dim
+    rope = cfg.rope_parameters
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("long_factor"):
+        scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
+def _llama_like(w, cfg, head_dim):  # TextModel (OLMo 2), LlamaModel (SmolLM3), GraniteModel: its multipliers
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if cfg.model_type != "olmo2":
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    if cfg.model_type == "granite":
+        w.add_attention_scale(cfg.attention_multiplier), w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier), w.add_logit_scale(cfg.logits_scaling)
+
+
+# the metadata convert_hf_to_gguf.py writes for these families (beside the sizes every file has)
+FAMILY_METADATA = {"gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "olmo2": _llama_like,
+                   "granite": _llama_like, "smollm3": _llama_like}
+
+
+# mixtures of experts: transformers' model_type -> llama.cpp's architecture (Mixtral: llama with experts)
+MOE_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+_MOE_NAMES = {"gate": "ffn_gate_inp", "router": "ffn_gate_inp", "shared_expert.gate_proj": "ffn_gate_shexp",
+              "shared_expert.up_proj": "ffn_up_shexp", "shared_expert.down_proj": "ffn_down_shexp",
+              "shared_expert_gate": "ffn_gate_inp_shexp"}
+_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PIECE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def _moe_metadata(w, cfg, arch: str) -> None:
+    """What convert_hf_to_gguf.py writes of a mixture of experts (gpt-oss: its window, YaRN and SwiGLU clamp)."""
+    w.add_expert_count(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "qwen3moe":
+        w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    if arch == "gpt-oss":
+        rope = cfg.rope_parameters
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_float32(f"{arch}.swiglu_clamp_exp", cfg.swiglu_limit)  # llama.cpp reads one value for every layer
+
+
+def _moe_state(state: dict, cfg) -> dict:
+    """A mixture of experts' tensors as llama.cpp's converter writes them (its names, the rest left as they are):
+    each projection's experts in one 3-d tensor [E, out, in] (gpt-oss's gate | up de-interleaved), the router,
+    Qwen2-MoE's shared expert (its gate [hidden]), gpt-oss's sinks and post-attention norm."""
+    out, experts = {}, {}  # experts: (layer, piece) -> {expert: [out, in]}
+    gpt_oss = cfg.model_type == "gpt_oss"
+    for name, t in state.items():
+        m = re.match(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.*)\.(weight|bias)$", name) or \
+            re.match(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts\.\w+)()$", name)
+        n = None if m is None else m[1]
+        if m is not None and _EXPERT.match(f"{m[2]}.{m[3]}"):
+            e, piece = _EXPERT.match(f"{m[2]}.{m[3]}").groups()
+            experts.setdefault((n, _PIECE[piece]), {})[int(e)] = t
+        elif gpt_oss and m is not None and m[2].startswith("experts."):  # [E, H, 2I] gate | up interleaved, ...
+            kind = "bias" if m[2].endswith("_bias") else "weight"
+            t = t if kind == "bias" else t.transpose(1, 2)  # [E, out, in]
+            if "gate_up" in m[2]:
+                out[f"blk.{n}.ffn_gate_exps.{kind}"], out[f"blk.{n}.ffn_up_exps.{kind}"] = t[:, 0::2], t[:, 1::2]
+            else:
+                out[f"blk.{n}.ffn_down_exps.{kind}"] = t
+        elif m is not None and m[2] in ("experts.gate_up_proj", "experts.down_proj"):  # fused: [E, 2I, H], [E, H, I]
+            if m[2] == "experts.down_proj":
+                out[f"blk.{n}.ffn_down_exps.weight"] = t
+            else:
+                out[f"blk.{n}.ffn_gate_exps.weight"], out[f"blk.{n}.ffn_up_exps.weight"] = t.chunk(2, dim=1)
+        elif m is not None and m[2] in _MOE_NAMES:
+            out[f"blk.{n}.{_MOE_NAMES[m[2]]}.{m[3]}"] = t.reshape(-1) if m[2] == "shared_expert_gate" else t
+        elif gpt_oss and name.endswith("self_attn.sinks"):
+            out[f"blk.{name.split('.')[2]}.attn_sinks.weight"] = t
+        elif gpt_oss and name.endswith("post_attention_layernorm.weight"):
+            out[f"blk.{name.split('.')[2]}.post_attention_norm.weight"] = t
+        else:
+            out[name] = t
+    for (n, piece), ts in experts.items():
+        out[f"blk.{n}.ffn_{piece}_exps.weight"] = torch.stack([ts[e] for e in range(len(ts))])
+    return out
+
+
 def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = Q.F32, split: int = 0,
                seed: int = 0, file_type: int | None = 1) -> str:
     """The checkpoint at `ckpt` as a GGUF at `path` (split: at most this many tensors a file, named
@@ -68,7 +199,8 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
     from transformers import AutoConfig, AutoTokenizer
 
     cfg, tok = AutoConfig.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
-    arch = {"mistral": "llama"}.get(cfg.model_type, cfg.model_type)  # llama.cpp writes Mistral as llama
+    # llama.cpp writes Mistral as llama, and Gemma 3's text model as gemma3
+    arch = {"mistral": "llama", "gemma3_text": "gemma3", **MOE_ARCH}.get(cfg.model_type, cfg.model_type)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split)
     w.add_name(f"tiny-{cfg.model_type}")  # transformers tells Mistral from Llama by "mistral" in the name
@@ -83,6 +215,11 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
         w.add_feed_forward_length(cfg.intermediate_size)
         w.add_head_count_kv(cfg.num_key_value_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if cfg.model_type in MOE_ARCH:
+        _moe_metadata(w, cfg, arch)
+    if arch in FAMILY_METADATA:
+        FAMILY_METADATA[arch](w, cfg, head_dim)
+    elif arch != "gpt2":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_rope_dimension_count(head_dim)
@@ -115,19 +252,23 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
                    for w in wavelen]
         w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     state = load_file(os.path.join(ckpt, "model.safetensors"))
+    if cfg.model_type in MOE_ARCH:
+        state = _moe_state(state, cfg)
     for name, t in state.items():
-        gname = gguf_name(name)
+        gname = name if name.startswith("blk.") else gguf_name(name, arch)
         if gname is None:
             continue
         a = t.float().numpy()
         if name.endswith(CONV1D):  # llama.cpp stores them [out, in]
             a = np.ascontiguousarray(a.T)
         kind = gname.split(".")[-2]
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
+        if arch in PERMUTED and kind in ("attn_q", "attn_k"):
             a = permute(a, cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads)
+        if arch in GEMMA and name.endswith("norm.weight"):
+            a = a + 1
         qtype = (types or {}).get(kind)
-        if qtype is not None and a.ndim == 2:
-            b = blocks(a, qtype, rng)
+        if qtype is not None and a.ndim >= 2:  # experts [E, out, in]: their rows' blocks
+            b = blocks(a.reshape(-1, a.shape[-1]), qtype, rng).reshape(*a.shape[:-1], -1)
             w.add_tensor(gname, b, raw_shape=b.shape, raw_dtype=qtype)
         elif a.ndim == 1 or float_type == Q.F32:
             w.add_tensor(gname, a)
@@ -145,21 +286,47 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
 
 def dequantized_state(path: str, cfg) -> dict[str, torch.Tensor]:
     """The file's tensors as a transformers checkpoint's state dict, dequantized by gguf.quants (the oracle),
-    a llama's Q/K rows put back in Hugging Face's order."""
+    a llama's (Granite's, SmolLM3's) Q/K rows put back in Hugging Face's order, Gemma's norms less the 1."""
     from gguf.quants import dequantize
     from pagoda.engine.gguf import hf_name, split_files
 
-    state = {}
+    state, experts = {}, {}
     arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
     for file in split_files(path):
         for t in gguf.GGUFReader(file).tensors:
             a = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(list(reversed([int(n) for n in t.shape])))
             kind = t.name.split(".")[-2]
-            if arch == "llama" and kind in ("attn_q", "attn_k"):
+            if arch in PERMUTED and kind in ("attn_q", "attn_k"):
                 heads = cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads
                 a = a.reshape(heads, a.shape[0] // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-            name = hf_name(t.name, arch)
-            if name is None:  # rope_freqs.weight: config, not a parameter
+            if arch in GEMMA and t.name.endswith("norm.weight"):
+                a = a - 1
+            if re.match(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.", t.name):
+                experts[t.name] = torch.from_numpy(a.copy())
                 continue
+            name = hf_name(t.name, arch)
+            if name is None:  # rope_freqs.weight, rope_factors_*: config, not parameters
+                continue
+            if name.endswith("shared_expert_gate.weight"):  # [hidden] in the file
+                a = a.reshape(1, -1)
             state[name] = torch.from_numpy(np.ascontiguousarray(a.T if name.endswith(CONV1D) else a))
-    return state
+    return {**state, **_hf_experts(experts, arch)}
+
+
+def _hf_experts(experts: dict, arch: str) -> dict[str, torch.Tensor]:
+    """The experts' 3-d tensors ([E, out, in], biases [E, out]) as transformers' fused parameters: gate_up_proj
+    [E, 2I, H] (gate | up) and down_proj [E, H, I]; gpt-oss's [E, H, 2I] (gate | up interleaved) and [E, I, H]."""
+    state = {}
+    for name in experts:
+        n, kind = name.split(".")[1], name.split(".")[-1]
+        if "ffn_gate_exps" not in name:
+            continue
+        gate, up, down = (experts[f"blk.{n}.ffn_{p}_exps.{kind}"] for p in ("gate", "up", "down"))
+        prefix, suffix = f"model.layers.{n}.mlp.experts.", "_bias" if kind == "bias" else ""
+        if arch == "gpt-oss":
+            gate_up = torch.stack([gate, up], dim=2).flatten(1, 2)  # [E, 2I(, H)] interleaved
+            state[prefix + "gate_up_proj" + suffix] = gate_up if kind == "bias" else gate_up.transpose(1, 2)
+            state[prefix + "down_proj" + suffix] = down if kind == "bias" else down.transpose(1, 2)
+        else:
+            state[prefix + "gate_up_proj"], state[prefix + "down_proj"] = torch.cat([gate, up], dim=1), down
+    return {k: v.contiguous() for k, v in state.items()}

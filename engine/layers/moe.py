@@ -6,12 +6,15 @@ probabilities (so ties fall as they do there), renormalised where the config say
 every expert's fused gate/up weight [E, 2I, H] and down weight [E, H, I], stored k-major (each expert's
 W^T contiguous: the CPU op's layout, and a plain GEMM for torch). On CPU with pagoda's ops bound the
 experts run as one op (csrc/moe_cpu.cpp: tokens grouped by expert, each expert's weights read once a
-step; each row's result its own, so deterministic mode runs them); elsewhere a loop over the experts that
-got tokens, which is also the op's reference.
+step; each row's result its own, so deterministic mode runs them); on CUDA as two Triton grouped GEMMs
+(engine/layers/triton_moe.py: gate/up fused with the activation, then down weighted by the router);
+elsewhere a loop over the experts that got tokens, which is also the op's and the kernels' reference.
 Quantized experts stay quantized in memory, row-major, and the op dequantizes them in registers: int8 with a
 scale per output row (`--quantization int8`, quantize_int8_), and gpt-oss's MXFP4 as its checkpoints ship it
 (blocks of 32 FP4 e2m1 values, two to a byte, with an 8-bit exponent: dequantize_mxfp4). The torch loop
-dequantizes one expert at a time; on GPU, or without pagoda's ops, MXFP4 experts are widened at load.
+dequantizes one expert at a time; on GPU, or without pagoda's ops, MXFP4 experts are widened at load. A GGUF
+file's experts stay in its blocks (engine/gguf.py: the op computes on every GGUF_KERNEL_TYPES type and MXFP4,
+Experts.gguf), a projection whose gate and up come in different types widened.
 Under tensor parallelism each expert's intermediate size is split like a dense MLP's (the router is
 replicated) and the partial outputs are summed once.
 Each block counts the tokens it routes to each expert into a row of the model's ExpertLoad (on the driver
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.engine.executor import parallel
+from pagoda.engine.gguf import GGUF_KERNEL_TYPES
 from pagoda.engine.layers import cpu_ops
 from pagoda.engine.layers.activation import activation
 
@@ -99,10 +103,25 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes[..., 0::2] | (codes[..., 1::2] << 4), e
 
 
+def _dequantize_gguf(kind: str, blocks: torch.Tensor, s: torch.Tensor, k: int, e: int) -> torch.Tensor:
+    """Expert e's rows of GGUF experts (Experts.gguf) in float32: [rows, k]."""
+    if kind == "MXFP4":
+        return dequantize_mxfp4(blocks[e], s[e])
+    return cpu_ops.ops().gguf_dequantize(blocks[e], GGUF_KERNEL_TYPES[kind][0], k)
+
+
 def _k_major(*shape: int) -> torch.Tensor:
     """An [E, out, in] tensor with each expert's [in, out] transpose contiguous."""
     e, out, inp = shape
     return torch.empty(e, inp, out).transpose(1, 2)
+
+
+def _triton_moe(w13, w2):
+    """engine/layers/triton_moe.py (the experts' CUDA kernels) where triton imports and they take these weights
+    (not a GGUF file's blocks, say), else None."""
+    from pagoda.engine.layers import triton_moe
+    ok = triton_moe.is_available() and {w13.dtype, w2.dtype} <= triton_moe.WEIGHT_DTYPES
+    return triton_moe if ok else None
 
 
 class Experts(nn.Module):
@@ -111,13 +130,17 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str | None):
         super().__init__()
-        self.num_experts, self.full_intermediate = num_experts, intermediate
+        self.num_experts, self.full_intermediate, self.hidden_size = num_experts, intermediate, hidden
         self.intermediate_size = n = parallel.split(intermediate, "the experts' intermediate size")
         self.gate_up_proj = nn.Parameter(_k_major(num_experts, 2 * n, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(_k_major(num_experts, hidden, n))  # [E, H, I]
         self.act, self.is_silu = activation(act) if act else None, act == "silu"  # None: the subclass's act_mul
         self.gate_up_proj_bias = self.down_proj_bias = None  # gpt-oss has them
         self.int8 = None  # quantize_int8_: (gate_up [E, 2I, H], its scales [E, 2I], down [E, H, I], its scales [E, H])
+        # a GGUF file's experts kept in its blocks (load_gguf_, finish_gguf_): projection -> (ggml type name, blocks
+        # [E, rows, row_bytes] uint8 and the type id [1] int64, or MXFP4 blocks [E, rows, K / 32, 16] and exponents
+        # [E, rows, K / 32], K); gguf_pieces: gate / up / down as read, until finish_gguf_
+        self.gguf, self.gguf_pieces = {}, {}
         self.tp = parallel.group()
 
     def act_mul(self, gate, up):
@@ -128,9 +151,14 @@ class Experts(nn.Module):
         return {}
 
     def operands(self) -> tuple:
-        """(w13, w2, s13, s2): the weights the op computes on, as they are stored, and their scales."""
+        """(w13, w2, s13, s2): the weights the op computes on, as they are stored, and their scales (GGUF blocks:
+        their ggml type id)."""
         if self.int8 is not None:
             return self.int8[0], self.int8[2], self.int8[1], self.int8[3]
+        if self.gguf:
+            (w13, s13), (w2, s2) = [self.gguf[p][1:3] if p in self.gguf else (getattr(self, p), None)
+                                    for p in ("gate_up_proj", "down_proj")]
+            return w13, w2, s13, s2
         return self.gate_up_proj, self.down_proj, None, None
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,17 +166,58 @@ class Experts(nn.Module):
         if self.int8 is not None:
             q13, s13, q2, s2 = self.int8
             return (q13[e].to(dtype) * s13[e, :, None].to(dtype)), (q2[e].to(dtype) * s2[e, :, None].to(dtype))
+        if self.gguf:
+            return tuple(_dequantize_gguf(*self.gguf[p], e).to(dtype) if p in self.gguf else getattr(self, p)[e]
+                         for p in ("gate_up_proj", "down_proj"))
         return self.gate_up_proj[e], self.down_proj[e]
+
+    def load_gguf_(self, piece: str, kind: str, blocks: torch.Tensor, s: torch.Tensor | None, k: int) -> None:
+        """Keep a GGUF file's expert tensor in its blocks (engine/gguf.py): piece gate, up or down, this rank's
+        [E, rows, ...] of type `kind` (s: MXFP4's exponents, repacked as dequantize_mxfp4 reads them)."""
+        self.gguf_pieces[piece] = (kind, blocks, s, k)
+
+    @torch.no_grad()
+    def finish_gguf_(self) -> list[str]:
+        """Once the file is read: projections whose pieces are all blocks of one type computed on as such (their
+        float weights dropped); the pieces of a projection that mixes types widened into its float weight.
+        Returns the pieces widened."""
+        pieces, self.gguf_pieces, widened = self.gguf_pieces, {}, []
+        n = self.intermediate_size
+        for proj, names in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            got = [pieces[p] for p in names if p in pieces]
+            if not got:
+                continue
+            kinds = {g[0] for g in got}
+            if len(got) == len(names) and len(kinds) == 1:
+                kind, k = got[0][0], got[0][3]
+                w = torch.cat([g[1] for g in got], dim=1) if len(got) > 1 else got[0][1]
+                s = (torch.cat([g[2] for g in got], dim=1) if len(got) > 1 else got[0][2]) if kind == "MXFP4" \
+                    else torch.tensor([GGUF_KERNEL_TYPES[kind][0]])
+                self.gguf[proj] = (kind, w, s, k)
+                setattr(self, proj, None)
+                continue
+            for p in names:  # gate and up of different types: both widened into gate_up_proj
+                if p in pieces:
+                    rows = slice(None) if p == "down" else slice(n * names.index(p), n * (names.index(p) + 1))
+                    target = getattr(self, proj)[:, rows]
+                    for e in range(target.shape[0]):
+                        target[e] = _dequantize_gguf(*pieces[p], e).to(target.dtype)
+                    widened.append(p)
+        return widened
 
     def forward(self, x, weights, ids):
         # x: [num_tokens, hidden]; weights, ids: [num_tokens, top_k] -> [num_tokens, hidden]
-        out = torch.zeros_like(x)
-        if self.fused_ops is not None and (self.is_silu or self.swiglu()):
-            w13, w2, s13, s2 = self.operands()
+        fused = self.is_silu or bool(self.swiglu())  # the activations the op and the kernels have
+        w13, w2, s13, s2 = self.operands()
+        if fused and x.is_cuda and (triton_moe := _triton_moe(w13, w2)) is not None:
+            out = triton_moe.fused_experts(x, w13, w2, weights, ids, s13, s2, self.gate_up_proj_bias,
+                                           self.down_proj_bias, **self.swiglu())
+        elif fused and self.fused_ops is not None:
+            out = torch.zeros_like(x)
             self.fused_ops.ops().moe_experts_(out, x, w13, w2, weights, ids, s13, s2, self.gate_up_proj_bias,
                                               self.down_proj_bias, **self.swiglu())
         else:
-            self.loop_(out, x, weights, ids)
+            out = self.loop_(torch.zeros_like(x), x, weights, ids)
         return parallel.all_reduce(out, self.tp)
 
     @torch.no_grad()
@@ -271,12 +340,12 @@ class GptOssExperts(Experts):
         return {"swiglu_alpha": self.alpha, "swiglu_limit": self.limit}
 
     def operands(self) -> tuple:
-        if self.gate_up_proj is None and self.int8 is None:
+        if self.gate_up_proj is None and self.int8 is None and not self.gguf:
             return self.gate_up_proj_blocks, self.down_proj_blocks, self.gate_up_proj_scales, self.down_proj_scales
         return super().operands()
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.gate_up_proj is None and self.int8 is None:
+        if self.gate_up_proj is None and self.int8 is None and not self.gguf:
             return (dequantize_mxfp4(self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e], dtype),
                     dequantize_mxfp4(self.down_proj_blocks[e], self.down_proj_scales[e], dtype))
         return super().expert(e, dtype)

@@ -11,8 +11,11 @@
 // registers: int8 with a float32 scale per output row, or MXFP4 as gpt-oss ships it (per row K / 32 blocks of
 // 16 bytes, value 2j in the low nibble of byte j and 2j + 1 in the high one, each an FP4 e2m1 code, with one
 // uint8 exponent per block: w = fp4 * 2^(e - 127)); the inputs of an MXFP4 block are permuted once (its even
-// inputs, then its odd ones) so that a block's low and high nibbles meet contiguous inputs.
-// A row's result never depends on the rows beside it.
+// inputs, then its odd ones) so that a block's low and high nibbles meet contiguous inputs; or GGUF blocks
+// (gguf_blocks.h: any type it decodes, [rows, row_bytes] an expert, the ggml type id in place of the scales), a
+// span of a row's blocks decoded into L1 and every row's fused multiply-adds over it (as gguf_linear).
+// A row's result never depends on the rows beside it, except over GGUF blocks: their kernel's summation order
+// depends on how many rows share a pass (fewer than 3: more accumulators), as gguf_linear's does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -26,6 +29,7 @@
 
 #include "cpu_math.h"
 #include "cpu_vec.h"
+#include "gguf_blocks.h"
 
 namespace {
 
@@ -116,8 +120,9 @@ void activate(float* acc, int64_t M, int64_t B, int64_t j0, int64_t I, const T* 
 }
 
 // row-major quantized weights of one expert, dequantized in registers. int8: [rows, K] with a float32 scale per
-// row; MXFP4: [rows, K / 32, 16] code bytes with a uint8 exponent per block [rows, K / 32]
-enum Format : int { kFloat = 0, kInt8 = 1, kMxfp4 = 2 };
+// row; MXFP4: [rows, K / 32, 16] code bytes with a uint8 exponent per block [rows, K / 32]; GGUF: [rows, row_bytes]
+// blocks of a ggml type
+enum Format : int { kFloat = 0, kInt8 = 1, kMxfp4 = 2, kGguf = 3 };
 
 // the lower kW bytes of b from byte j (0, or kW = 8 on AVX2) widened to floats
 inline vec i8_at(__m128i b, int j) {
@@ -200,11 +205,16 @@ struct QuantExpert {
   int format;
   const uint8_t* w;
   const void* scales;  // int8: float [rows]; MXFP4: uint8 [rows, K / 32]
+  int64_t type, row_bytes;  // GGUF: the ggml type, the bytes of a row
 };
 
 inline void rows_of(const QuantExpert& q, const float* x, int64_t ldx, int64_t M, int64_t K, int64_t o0, int64_t o1,
                     float* y, int64_t ldy) {
-  if (q.format == kInt8)
+  if (q.format == kGguf)  // x's rows are K apart (ldx == K at both projections)
+    gguf::by_type(q.type, [&](auto t) {
+      gguf::rows<decltype(t)>(static_cast<int>(M), x, K, q.w, q.row_bytes, y, ldy, o0, o1);
+    });
+  else if (q.format == kInt8)
     quant_rows<kInt8>(x, ldx, M, q.w, q.scales, K, o0, o1, y, ldy);
   else
     quant_rows<kMxfp4>(x, ldx, M, q.w, q.scales, K, o0, o1, y, ldy);
@@ -281,7 +291,10 @@ struct Proj {
   const uint8_t* s;
   int64_t s_stride;
   const void* bias;  // [E, rows] in the model's dtype, or nullptr
-  QuantExpert expert(int64_t e) const { return {format, w + e * w_stride, s == nullptr ? nullptr : s + e * s_stride}; }
+  int64_t type = 0, row_bytes = 0;  // GGUF
+  QuantExpert expert(int64_t e) const {
+    return {format, w + e * w_stride, s == nullptr ? nullptr : s + e * s_stride, type, row_bytes};
+  }
   template <typename T>
   const T* bias_of(int64_t e, int64_t rows) const {
     return bias == nullptr ? nullptr : static_cast<const T*>(bias) + e * rows;
@@ -375,7 +388,8 @@ void experts(T* out, const T* x, const Proj& w13, const Proj& w2, const float* w
 
 // one projection's weights ([E, rows, K] as the model holds them) checked and described: in x's dtype with each
 // expert's [K, rows] transpose contiguous; int8 [E, rows, K] contiguous with float32 scales [E, rows]; or MXFP4
-// blocks uint8 [E, rows, K / 32, 16] with exponents uint8 [E, rows, K / 32]; bias: [E, rows] in x's dtype
+// blocks uint8 [E, rows, K / 32, 16] with exponents uint8 [E, rows, K / 32]; or GGUF blocks uint8 [E, rows,
+// row_bytes] with s the ggml type id (int64 [1]); bias: [E, rows] in x's dtype
 Proj describe(const char* name, const at::Tensor& w, const std::optional<at::Tensor>& s,
               const std::optional<at::Tensor>& bias, at::ScalarType dtype, int64_t E, int64_t rows, int64_t K) {
   Proj p{kFloat, static_cast<const uint8_t*>(w.data_ptr()), 0, nullptr, 0, nullptr};
@@ -392,10 +406,24 @@ Proj describe(const char* name, const at::Tensor& w, const std::optional<at::Ten
     TORCH_CHECK(s.has_value() && s->scalar_type() == at::kFloat && s->is_contiguous() && s->numel() == E * rows,
                 name, " (int8) needs float32 scales [E, ", rows, "]");
     p = {kInt8, p.w, rows * K, static_cast<const uint8_t*>(s->data_ptr()), rows * 4, nullptr};
+  } else if (type == at::kByte && w.dim() == 3) {
+    TORCH_CHECK(s.has_value() && s->scalar_type() == at::kLong && s->numel() == 1, name,
+                " (GGUF blocks) needs its ggml type id as int64 [1] in place of scales");
+    const int64_t t = s->item<int64_t>();
+    int64_t row_bytes = 0;
+    gguf::by_type(t, [&](auto b) {
+      using B = decltype(b);
+      TORCH_CHECK(K % B::kN == 0, name, ": ", K, " inputs are not whole blocks of GGUF type ", t);
+      row_bytes = K / B::kN * B::kBytes;
+    });
+    TORCH_CHECK(w.size(0) == E && w.size(1) == rows && w.size(2) == row_bytes && w.is_contiguous(), name,
+                " (GGUF type ", t, ") must be contiguous uint8 [E, ", rows, ", ", row_bytes, "]");
+    p = {kGguf, p.w, rows * row_bytes, nullptr, 0, nullptr, t, row_bytes};
   } else {
     TORCH_CHECK(type == at::kByte && K % 32 == 0 && w.dim() == 4 && w.size(0) == E && w.size(1) == rows &&
                     w.size(2) == K / 32 && w.size(3) == 16 && w.is_contiguous(),
-                name, " must be in x's dtype, int8, or MXFP4 blocks uint8 [E, ", rows, ", ", K / 32, ", 16]");
+                name, " must be in x's dtype, int8, GGUF blocks, or MXFP4 blocks uint8 [E, ", rows, ", ", K / 32,
+                ", 16]");
     TORCH_CHECK(s.has_value() && s->scalar_type() == at::kByte && s->is_contiguous() && s->numel() == E * rows * K / 32,
                 name, " (MXFP4) needs uint8 exponents [E, ", rows, ", ", K / 32, "]");
     p = {kMxfp4, p.w, rows * K / 2, static_cast<const uint8_t*>(s->data_ptr()), rows * K / 32, nullptr};
@@ -409,9 +437,10 @@ Proj describe(const char* name, const at::Tensor& w, const std::optional<at::Ten
 }
 
 // out: [n, H] += for each token its experts' routing-weighted outputs; x: [n, H] float32 or bfloat16; w13: every
-// expert's gate|up projection [E, 2I, H] and w2 its down projection [E, H, I] (describe: in x's dtype, int8 or
-// MXFP4, with s13 / s2 their scales), b13 / b2 their biases; weights: [n, k] float32; ids: [n, k] int64,
-// distinct experts per token. swiglu_alpha set: gpt-oss's clamped SwiGLU at swiglu_limit; else SiLU-and-mul.
+// expert's gate|up projection [E, 2I, H] and w2 its down projection [E, H, I] (describe: in x's dtype, int8,
+// MXFP4 or GGUF blocks, with s13 / s2 their scales or ggml type id), b13 / b2 their biases; weights: [n, k]
+// float32; ids: [n, k] int64, distinct experts per token. swiglu_alpha set: gpt-oss's clamped SwiGLU at
+// swiglu_limit; else SiLU-and-mul.
 void moe_experts_(at::Tensor& out, const at::Tensor& x_in, const at::Tensor& w13, const at::Tensor& w2,
                   const at::Tensor& weights_in, const at::Tensor& ids_in, const std::optional<at::Tensor>& s13,
                   const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& b13,
