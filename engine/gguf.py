@@ -264,13 +264,9 @@ def _moe_config(config, reader, arch: str):
     return config
 
 
-def _family_config(reader, arch: str, path: str):
-    """The config of a _FAMILIES file, from the metadata llama.cpp's convert script writes, and llama.cpp's own
-    constants where it writes none: Gemma 2's alternating windows and Gemma 3's five sliding layers to a full one
-    (RoPE base 10000 on the sliding ones), Gemma's query scale (the hidden size over the heads for the 27B models,
-    else the head size), SmolLM3's RoPE-less fourth layers. ValueError naming the file and the field."""
-    from transformers import AutoConfig
-
+def _required(reader, arch: str, path: str):
+    """(get, tensors) for a config built from the metadata: get(key[, default]) reads `{arch}.{key}`, a ValueError
+    naming the file and the field where it is missing and has no default; tensors by name (token_embd checked)."""
     def get(key, default=ValueError):
         value = _field(reader, f"{arch}.{key}", default)
         if value is ValueError:
@@ -280,6 +276,17 @@ def _family_config(reader, arch: str, path: str):
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{path}: lacks the tensor token_embd.weight")
+    return get, tensors
+
+
+def _family_config(reader, arch: str, path: str):
+    """The config of a _FAMILIES file, from the metadata llama.cpp's convert script writes, and llama.cpp's own
+    constants where it writes none: Gemma 2's alternating windows and Gemma 3's five sliding layers to a full one
+    (RoPE base 10000 on the sliding ones), Gemma's query scale (the hidden size over the heads for the 27B models,
+    else the head size), SmolLM3's RoPE-less fourth layers. ValueError naming the file and the field."""
+    from transformers import AutoConfig
+
+    get, tensors = _required(reader, arch, path)
     hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     window = int(get("attention.sliding_window", 0) or 0)
@@ -339,15 +346,7 @@ def _gpt_oss_config(reader, path: str):
     the file and the field."""
     from transformers import GptOssConfig
 
-    def get(key, default=ValueError):
-        value = _field(reader, f"gpt-oss.{key}", default)
-        if value is ValueError:
-            raise ValueError(f"{path}: lacks gpt-oss.{key}, which a gpt-oss file has")
-        return value
-
-    tensors = {t.name: t for t in reader.tensors}
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"{path}: lacks the tensor token_embd.weight")
+    get, tensors = _required(reader, "gpt-oss", path)
     layers, heads, limit = int(get("block_count")), int(get("attention.head_count")), get("swiglu_clamp_exp", 7.0)
     rope = {"rope_type": "yarn", "rope_theta": float(get("rope.freq_base", 150000.0)),
             "factor": float(get("rope.scaling.factor", 1.0)),

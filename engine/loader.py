@@ -45,7 +45,12 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(f"model {model!r}: no such directory (a local checkpoint directory, or a Hugging Face "
                          f"hub id such as Qwen/Qwen3-0.6B)")
     log.info("model %s: from the Hugging Face hub (or its local cache)", model)
-    return check_checkpoint(model, _download(model))
+    snapshot = _download(model)
+    if not os.path.isfile(os.path.join(snapshot, "config.json")):
+        found = _default_quant(model)  # a repo of GGUF files
+        if found is not None:
+            return found
+    return check_checkpoint(model, snapshot)
 
 
 def resolve_tokenizer_path(tokenizer: str) -> str:
@@ -125,11 +130,31 @@ def hub_gguf(model: str) -> str | None:
     return paths[0]
 
 
+def _default_quant(repo: str) -> str | None:
+    """A bare hub id whose repo holds GGUF files and no checkpoint: its Q4_K_M file, as llama.cpp's -hf picks
+    without a quant, else its only one (logged); None where it holds none; ValueError listing them otherwise."""
+    names = _gguf_names(repo, repo)
+    if not names:
+        return None
+    if any(re.search(r"q4_k_m", n, re.IGNORECASE) for n in names):
+        log.info("model %s: a repo of GGUF files; serving its Q4_K_M (name another as %s:QUANT)", repo, repo)
+        return hub_gguf(f"{repo}:Q4_K_M")
+    if len(names) == 1:
+        return hub_gguf(f"{repo}/{names[0]}")
+    raise ValueError(f"model {repo!r} is a Hugging Face repo of GGUF files, not a checkpoint, and has no Q4_K_M: "
+                     f"name one as {repo}:QUANT or {repo}/FILE.gguf (its GGUF files: {', '.join(sorted(names)[:12])})")
+
+
+def _gguf_names(model: str, repo: str) -> list[str]:
+    """The repo's GGUF files (first pieces of split ones), not multimodal projectors (mmproj-*)."""
+    return [n for n in _repo_files(model, repo) if n.lower().endswith(".gguf")
+            and "mmproj" not in os.path.basename(n).lower() and gguf.split_names(n)[0] == n]
+
+
 def _quant_file(model: str, repo: str, quant: str) -> str:
     """The repo's GGUF file (first piece) whose name ends in the quant, or that lies in a folder named so; not
     a multimodal projector (mmproj-*)."""
-    names = [n for n in _repo_files(model, repo) if n.lower().endswith(".gguf")
-             and "mmproj" not in os.path.basename(n).lower() and gguf.split_names(n)[0] == n]
+    names = _gguf_names(model, repo)
     tag = re.compile(rf"(^|[-._/]){re.escape(quant)}($|[-./])", re.IGNORECASE)
     found = [n for n in names if tag.search(re.sub(r"(-\d{5}-of-\d{5})?\.gguf$", "", n, flags=re.IGNORECASE))]
     if len(found) != 1:

@@ -179,6 +179,18 @@ def test_a_gguf_named_by_its_hub_repo_and_quant(files, hub):
     _same(_greedy("pagoda-tests/tiny-GGUF:Q8_0"), _reference(ckpt, dequantized_state(q8, load_hf_config(q8))))
 
 
+def test_a_bare_repo_of_gguf_files_serves_its_q4_k_m(files, hub):
+    """A hub id alone, for a repo of GGUF files (no config.json): its Q4_K_M as llama.cpp's -hf picks it; without one,
+    a one-line error listing the files."""
+    with pytest.raises(ValueError) as e:
+        resolve_model_path("pagoda-tests/tiny-GGUF")
+    assert str(e.value).startswith("model 'pagoda-tests/tiny-GGUF' is a Hugging Face repo of GGUF files, not a "
+                                   "checkpoint, and has no Q4_K_M: name one as pagoda-tests/tiny-GGUF:QUANT or "
+                                   "pagoda-tests/tiny-GGUF/FILE.gguf (its GGUF files: Q4_0/tiny-Q4_0-00001-of-0000")
+    os.link(hub / "tiny-Q8_0.gguf", hub / "tiny-Q4_K_M.gguf")
+    assert resolve_model_path("pagoda-tests/tiny-GGUF") == str(hub / "tiny-Q4_K_M.gguf")
+
+
 @pytest.mark.parametrize("model,message", [
     ("pagoda-tests/tiny-GGUF:Q6_K", "model 'pagoda-tests/tiny-GGUF:Q6_K': of the GGUF files in the Hugging Face "
                                     "repo pagoda-tests/tiny-GGUF, none is of quant Q6_K (its GGUF files: "
