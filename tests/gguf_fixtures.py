@@ -284,6 +284,33 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
     return path
 
 
+def engine_greedy(model: str, prompt: list[int], n: int, **options) -> tuple[list[int], torch.nn.Module]:
+    """(pagoda's greedy tokens after `prompt`, the engine's model) for a GGUF file (or hub name of one)."""
+    from grpc_fixtures import engine_config
+    from pagoda.engine import LLM, SamplingParams
+
+    llm = LLM(**vars(engine_config(model, num_kv_blocks=32, max_num_batched_tokens=128, **options)))
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        return list(out.outputs[0].token_ids), llm.engine.model
+    finally:
+        llm.engine.close()
+
+
+def transformers_greedy(ckpt: str, prompt: list[int], n: int, state: dict | None = None) -> list[int]:
+    """transformers' float32 greedy tokens after `prompt`, over `state` (a file's dequantized weights) if given."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    if state is not None:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = model.config.tie_word_embeddings
+        assert not unexpected and not [m for m in missing if "rotary" not in m and not (tied and "lm_head" in m)], \
+            (missing, unexpected)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
 def dequantized_state(path: str, cfg) -> dict[str, torch.Tensor]:
     """The file's tensors as a transformers checkpoint's state dict, dequantized by gguf.quants (the oracle),
     a llama's (Granite's, SmolLM3's) Q/K rows put back in Hugging Face's order, Gemma's norms less the 1."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf_fixtures import dequantized_state, write_gguf
+from gguf_fixtures import engine_greedy, transformers_greedy, dequantized_state, write_gguf
 from grpc_fixtures import engine_config
 from pagoda.engine import LLM, SamplingParams
 from pagoda.engine.executor.parallel import Linear
@@ -48,25 +48,11 @@ def checkpoints(tmp_path_factory):
 
 
 def _greedy(model: str, n: int = 12) -> tuple[list[int], torch.nn.Module]:
-    """(greedy tokens after PROMPT, the engine's model)."""
-    llm = LLM(**vars(engine_config(model, num_kv_blocks=32, max_num_batched_tokens=128)))
-    try:
-        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
-        return list(out.outputs[0].token_ids), llm.engine.model
-    finally:
-        llm.engine.close()
+    return engine_greedy(model, PROMPT, n)
 
 
 def _reference(ckpt: str, state=None, n: int = 12) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    if state is not None:
-        missing, _ = model.load_state_dict(state, strict=False)
-        tied = model.config.tie_word_embeddings
-        assert not [m for m in missing if "rotary" not in m and not (tied and "lm_head" in m)]
-    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(PROMPT):].tolist()
+    return transformers_greedy(ckpt, PROMPT, n, state)
 
 
 @pytest.mark.parametrize("arch,float_type", [("llama", Q.F32), ("qwen3", Q.F16), ("mistral", Q.BF16), ("gpt2", Q.F32)])

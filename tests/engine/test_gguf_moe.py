@@ -10,9 +10,7 @@ import pytest
 import torch
 from conftest import FAMILIES
 from gguf import GGMLQuantizationType as Q
-from gguf_fixtures import blocks, dequantized_state, write_gguf
-from grpc_fixtures import engine_config
-from pagoda.engine import LLM, SamplingParams
+from gguf_fixtures import engine_greedy, transformers_greedy, blocks, dequantized_state, write_gguf
 from pagoda.engine.gguf import load_config
 from pagoda.engine.layers import cpu_ops
 from pagoda.engine.layers.moe import Experts
@@ -54,24 +52,12 @@ def files(checkpoints, tmp_path_factory):
     return out
 
 
-def _greedy(model: str, n: int = 10, **kw) -> tuple[list[int], torch.nn.Module]:
-    llm = LLM(**vars(engine_config(model, num_kv_blocks=32, max_num_batched_tokens=128, **kw)))
-    try:
-        out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
-        return list(out.outputs[0].token_ids), llm.engine.model
-    finally:
-        llm.engine.close()
+def _greedy(model: str, n: int = 10, **options) -> tuple[list[int], torch.nn.Module]:
+    return engine_greedy(model, PROMPT, n, **options)
 
 
 def _reference(ckpt: str, state=None, n: int = 10) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    if state is not None:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
-    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(PROMPT):].tolist()
+    return transformers_greedy(ckpt, PROMPT, n, state)
 
 
 @pytest.mark.parametrize("family", MOE)
