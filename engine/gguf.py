@@ -462,10 +462,11 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
     native, why = cpu_ops.is_available(device)
     missing, widened = set(params), {}
     blocks: dict[torch.nn.Module, dict] = {}  # linear layer or embedding -> {shard: (ggml type, blocks)}
+    expert_types = _expert_types(readers)
     for reader, file in zip(readers, files):
         for t in reader.tensors:
             if _EXPERTS.match(t.name):
-                missing.discard(_load_experts(model, params, t, file, native, dtype, widened))
+                missing.discard(_load_experts(model, params, t, file, native, dtype, widened, expert_types))
                 continue
             name = hf_name(t.name, arch)
             target = None if name is None else param_of(model, params, name, f"{file} (as {t.name!r})")
@@ -515,17 +516,43 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
                  "; ".join(f"{k}: {', '.join(v)}" for k, v in widened.items()))
 
 
+def _expert_types(readers) -> dict[str, dict[str, str]]:
+    """layer -> {gate / up / down: the ggml type name of its experts' weight}"""
+    out: dict[str, dict[str, str]] = {}
+    for t in (t for r in readers for t in r.tensors):
+        if (m := _EXPERTS.match(t.name)) and m[3] == "weight":
+            out.setdefault(m[1], {})[m[2]] = t.tensor_type.name
+    return out
+
+
+def _expert_split(owner, types: dict[str, str], native: bool) -> tuple[int, int]:
+    """This rank's (start, size) of the experts' intermediate size: the even split; or, where that would cut the
+    down projection's blocks (Qwen3-30B-A3B's 768 over 2 ranks: 384, a super-block and a half) and every piece stays
+    blocks, whole blocks dealt out, the first ranks one more (512 and 256), rather than widening down."""
+    n = owner.intermediate_size
+    a, block = owner.tp.rank * n, EXPERT_TYPES.get(types.get("down"), (1,))[0]
+    count, size = owner.full_intermediate // block, owner.tp.size
+    if (a % block == 0 and n % block == 0) or not native or count < size or types.get("gate") != types.get("up") \
+            or not set(types.values()) <= EXPERT_TYPES.keys() or owner.gate_up_proj_bias is not None:
+        return a, n
+    counts = [count // size + (r < count % size) for r in range(size)]
+    return sum(counts[:owner.tp.rank]) * block, counts[owner.tp.rank] * block
+
+
 @torch.no_grad()
-def _load_experts(model, params: dict, t, file: str, native: bool, dtype: torch.dtype, widened: dict) -> str:
+def _load_experts(model, params: dict, t, file: str, native: bool, dtype: torch.dtype, widened: dict,
+                  expert_types: dict) -> str:
     """An experts' tensor (ggml [in, out, E]: every expert's gate, up or down projection; or [out, E] their
     biases) into the layer's Experts (engine/layers/moe.py): this rank's rows of gate / up, its columns of down
-    (in whole blocks). Blocks of a type the CPU op computes on (GGUF_KERNEL_TYPES, MXFP4) stay blocks where it
-    runs; other types are widened. Returns the parameter filled."""
+    (in whole blocks: _expert_split). Blocks of a type the CPU op computes on (GGUF_KERNEL_TYPES, MXFP4) stay
+    blocks where it runs; other types are widened. Returns the parameter filled."""
     layer, piece, kind = _EXPERTS.match(t.name).groups()
     hf = f"{_LAYER_PREFIX}.{layer}.mlp.experts.{'down_proj' if piece == 'down' else 'gate_up_proj'}"
     owner, pname, _ = param_of(model, params, hf + ("_bias" if kind == "bias" else ""), f"{file} (as {t.name!r})")
-    E, n, hidden = owner.num_experts, owner.intermediate_size, owner.hidden_size
-    a = owner.tp.rank * n
+    if owner.gguf_split is None:
+        owner.gguf_split = _expert_split(owner, expert_types.get(layer, {}), native)
+        owner.intermediate_size = owner.gguf_split[1]
+    (a, n), E, hidden = owner.gguf_split, owner.num_experts, owner.hidden_size
     full = (hidden, owner.full_intermediate) if piece == "down" else (owner.full_intermediate, hidden)
     shape = [int(x) for x in reversed(t.shape)]  # [E, out, in] (bias: [E, out])
     want = [E, full[0]] if kind == "bias" else [E, *full]

@@ -16,7 +16,8 @@ dequantizes one expert at a time; on GPU, or without pagoda's ops, MXFP4 experts
 file's experts stay in its blocks (engine/gguf.py: the op computes on every GGUF_KERNEL_TYPES type and MXFP4,
 Experts.gguf), a projection whose gate and up come in different types widened.
 Under tensor parallelism each expert's intermediate size is split like a dense MLP's (the router is
-replicated) and the partial outputs are summed once.
+replicated) and the partial outputs are summed once; a GGUF file's experts in whole blocks, unevenly where an even
+split would cut them (engine/gguf.py _expert_split).
 Each block counts the tokens it routes to each expert into a row of the model's ExpertLoad (on the driver
 rank), on the device and in place: operators read it to size the model."""
 import logging
@@ -141,6 +142,7 @@ class Experts(nn.Module):
         # [E, rows, row_bytes] uint8 and the type id [1] int64, or MXFP4 blocks [E, rows, K / 32, 16] and exponents
         # [E, rows, K / 32], K); gguf_pieces: gate / up / down as read, until finish_gguf_
         self.gguf, self.gguf_pieces = {}, {}
+        self.gguf_split = None  # (start, size) of the intermediate size this rank holds of a GGUF file's experts
         self.tp = parallel.group()
 
     def act_mul(self, gate, up):

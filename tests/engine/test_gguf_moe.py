@@ -156,6 +156,25 @@ def test_two_ranks_agree_with_one(checkpoints, tmp_path, caplog, family, types):
     assert one[0] == two[0] and sum(a == b for a, b in zip(one, two)) >= 0.9 * len(one), (one, two)
 
 
+def test_two_ranks_split_super_blocks_unevenly_rather_than_widen(tmp_path, caplog):
+    """Qwen3-30B-A3B's shape in small: 768 a expert (3 super-blocks) over 2 ranks would cut one in half, so rank 0
+    takes two super-blocks of gate, up and down, rank 1 one; nothing widened, and tokens as on one rank."""
+    from pagoda.engine.demo import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(str(tmp_path / "ckpt"), **{**FAMILIES["qwen3_moe"], "hidden_size": 256,
+                                                            "moe_intermediate_size": 768})
+    path = write_gguf(ckpt, str(tmp_path / "m.gguf"), types=TYPES["qwen3_moe"])
+    one, _ = _greedy(path)
+    with caplog.at_level(logging.INFO, logger="pagoda.engine"):
+        two, model = _greedy(path, tensor_parallel_size=2)
+    experts = model.layers[1].mlp.experts
+    assert experts.gguf_split == (0, 512) and experts.intermediate_size == 512
+    assert experts.gguf["gate_up_proj"][1].shape[1] == 2 * 512
+    assert experts.gguf["down_proj"][1].shape == (8, 256, 2 * 210)  # two Q6_K super-blocks a row
+    assert not [r for r in caplog.records if "widened" in r.getMessage()]
+    assert one[0] == two[0] and sum(a == b for a, b in zip(one, two)) >= 0.9 * len(one), (one, two)
+
+
 def test_a_bad_expert_tensor_is_refused_in_one_line(checkpoints, tmp_path, monkeypatch):
     import gguf_fixtures
 
