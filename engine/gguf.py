@@ -29,13 +29,18 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen2moe": "Qwen2MoeForCausalLM",
                  "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM",  # Mixtral: llama with experts
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                 "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                 "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM",
+                 "qwen3next": "Qwen3NextForCausalLM"}
 # the families whose config is built here from the metadata (_family_config): transformers' GGUF reader knows none of
 # the last three, and leaves out of the first three what their models read (soft-caps, layer pattern, partial RoPE)
 _FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "granite", "smollm3")
 _TOKEN_IDS = (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))  # the config's and tokenizer.ggml.*'s names
 # families transformers' GGUF reader refuses (gpt-oss: it fails on the rope.scaling.* fields its files have)
-_NO_READER = ("olmo2", "granite", "smollm3", "gpt-oss")
+_NO_READER = ("olmo2", "granite", "smollm3", "gpt-oss", "qwen35", "qwen35moe", "qwen3next")
+# hybrid linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): config from the metadata here (_hybrid_config)
+_HYBRID = ("qwen35", "qwen35moe", "qwen3next")
+_TILED = ("qwen35", "qwen35moe")  # the converter reorders their value heads from grouped by key head to tiled
 _PERMUTED = ("llama", "granite", "smollm3")  # the convert script's LlamaModel and its subclasses permute Q/K rows
 # llama.cpp's tensor names -> the Hugging Face checkpoint's (a layer's: under model.layers.N.)
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -53,8 +58,17 @@ _GPT_OSS_NAMES = {**_LAYER_NAMES, "ffn_gate_inp": "mlp.router", "post_attention_
 # Gemma's and OLMo 2's norms after attention and the MLP; Phi-3's fused q|k|v and gate|up
 _POST_NORMS = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# the hybrids' linear-attention layers (Qwen3-Next's q|k|v|z written as Qwen3.5's q|k|v and z, its b|a as one
+# tensor grouped per key head); ssm_a (A = -exp(A_log)) and ssm_dt (dt_bias) are parameters of their own
+_HYBRID_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                 "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                 "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+                 "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d", "ssm_a": "linear_attn.A_log",
+                 "ssm_dt": "linear_attn.dt_bias", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"}
+_OWN_PARAMS = ("attn_sinks", "ssm_a", "ssm_dt")  # a layer's parameter, not a module's weight / bias
 _FAMILY_NAMES = {"gemma2": _POST_NORMS, "gemma3": _POST_NORMS, "olmo2": _POST_NORMS, "gpt-oss": _GPT_OSS_NAMES,
-                 "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+                 "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                 **dict.fromkeys(_HYBRID, _HYBRID_NAMES)}
 # the experts' 3-d tensors (one a projection holding every expert: ggml [in, out, E], biases [out, E]) -> the piece
 # of engine/layers/moe.py Experts they fill
 _EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)$")
@@ -66,8 +80,9 @@ _GPT2_NAMES = ({"token_embd": "transformer.wte", "position_embd": "transformer.w
 _FLOATS = ("F32", "F16", "BF16")
 # the block types pagoda's CPU kernels compute on (csrc/gguf_cpu.cpp), by ggml type id: (weights, bytes) a block
 GGUF_KERNEL_TYPES = {"Q8_0": (8, 32, 34), "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22),
-                     "Q5_1": (7, 32, 24), "IQ4_NL": (20, 32, 18), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
-                     "Q6_K": (14, 256, 210)}
+                     "Q5_1": (7, 32, 24), "IQ4_NL": (20, 32, 18), "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110),
+                     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+                     "IQ4_XS": (23, 256, 136)}
 # the experts' op (csrc/moe_cpu.cpp) computes on those and on MXFP4 (gpt-oss's experts): (weights, bytes) a block
 EXPERT_TYPES = {**{k: v[1:] for k, v in GGUF_KERNEL_TYPES.items()}, "MXFP4": (32, 17)}
 
@@ -208,6 +223,8 @@ def load_config(path: str):
         config = _family_config(reader, arch, path)
     elif arch == "gpt-oss":  # transformers' reader misses most of it, and fails on per-layer arrays
         config = _gpt_oss_config(reader, path)
+    elif arch in _HYBRID:  # transformers' reader knows none of them
+        config = _hybrid_config(reader, arch, path)
     else:
         try:
             config = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
@@ -251,14 +268,15 @@ def _moe_config(config, reader, arch: str):
         config = MixtralConfig(**keep, num_local_experts=experts, num_experts_per_tok=used)
         config.architectures = ["MixtralForCausalLM"]
         return config
-    # Qwen2-MoE / Qwen3-MoE: llama.cpp renormalises Qwen3's top-k weights, not Qwen2's
+    # Qwen2-MoE / Qwen3-MoE / the hybrids
     config.num_experts, config.num_experts_per_tok = experts, used
     if expert_ff is not None:
         config.moe_intermediate_size = int(expert_ff)
     shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
     if shared is not None:
         config.shared_expert_intermediate_size = int(shared)
-    config.norm_topk_prob = bool(_field(reader, f"{arch}.expert_weights_norm", arch == "qwen3moe"))
+    # llama.cpp renormalises Qwen3's, Qwen3.5's and Qwen3-Next's top-k weights, not Qwen2's
+    config.norm_topk_prob = bool(_field(reader, f"{arch}.expert_weights_norm", arch in ("qwen3moe", *_HYBRID)))
     routed = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
     config.decoder_sparse_step, config.mlp_only_layers = 1, [i for i in range(layers) if i not in routed]
     return config
@@ -366,6 +384,88 @@ def _gpt_oss_config(reader, path: str):
     return config
 
 
+def _hybrid_config(reader, arch: str, path: str):
+    """Qwen3.5's, Qwen3.5-MoE's or Qwen3-Next's config from the metadata llama.cpp's convert script writes: the
+    linear-attention sizes as its ssm.* fields (state size: the key heads' size; group count: the key heads;
+    time-step rank: the value heads; inner size: all value heads), a full-attention layer every
+    full_attention_interval, rope.dimension_count of each head rotated (mrope's sections: one position for text,
+    so plain RoPE). The experts: _moe_config. ValueError naming the file and the field."""
+    from transformers import AutoConfig
+
+    get, tensors = _required(reader, arch, path)
+    head_dim, layers = int(get("attention.key_length")), int(get("block_count"))
+    every, values = int(get("full_attention_interval")), int(get("ssm.time_step_rank"))
+    rope = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "partial_rotary_factor": int(get("rope.dimension_count")) / head_dim}
+    kw = dict(vocab_size=_rows(tensors["token_embd.weight"])[0], hidden_size=int(get("embedding_length")),
+              num_hidden_layers=layers, num_attention_heads=int(get("attention.head_count")),
+              num_key_value_heads=int(get("attention.head_count_kv")), head_dim=head_dim,
+              max_position_embeddings=int(get("context_length")),
+              rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")), rope_parameters=rope,
+              tie_word_embeddings="output.weight" not in tensors, linear_conv_kernel_dim=int(get("ssm.conv_kernel")),
+              linear_key_head_dim=int(get("ssm.state_size")), linear_num_key_heads=int(get("ssm.group_count")),
+              linear_num_value_heads=values, linear_value_head_dim=int(get("ssm.inner_size")) // values,
+              layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)],
+              **{f"{k}_token_id": _field(reader, f"tokenizer.ggml.{g}_token_id") for k, g in _TOKEN_IDS})
+    if get("feed_forward_length", None) is not None:  # Qwen3.5-MoE has none
+        kw["intermediate_size"] = int(get("feed_forward_length"))
+    model_type = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}[arch]
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def _untiled(nk: int, r: int, size: int) -> torch.Tensor:
+    """The rows (of `size` each value head) that put value heads stored tiled (v0 of every key head, then v1, ...:
+    llama.cpp's order for ggml's broadcast) back in Hugging Face's order (each key head's r value heads together)."""
+    heads = torch.arange(nk * r)
+    return ((heads % r * nk + heads // r)[:, None] * size + torch.arange(size)).reshape(-1)
+
+
+def a_log(a: torch.Tensor) -> torch.Tensor:
+    """A_log from the file's A = -exp(A_log) (float32, as the convert script computes it): the float32 value whose
+    -exp is A exactly where one is near log(-A), so that the model's decay (-exp(A_log)) is the file's A."""
+    y = torch.log(-a.double()).float()
+    out = y.clone()
+    for step in (1, -1, 2, -2):
+        toward = torch.full_like(y, float("inf") if step > 0 else float("-inf"))
+        cand = y
+        for _ in range(abs(step)):
+            cand = torch.nextafter(cand, toward)
+        fix = (-torch.exp(out) != a) & (-torch.exp(cand) == a)
+        out = torch.where(fix, cand, out)
+    return out
+
+
+def _hybrid_dims(reader, arch: str) -> tuple[int, int, int, int]:
+    """(key heads, value heads as the convert script reordered them: Qwen3-Next's not, so given as the key heads,
+    key head size, value head size) of a hybrid file's linear attention."""
+    nk, nv = int(_field(reader, f"{arch}.ssm.group_count")), int(_field(reader, f"{arch}.ssm.time_step_rank"))
+    dv = int(_field(reader, f"{arch}.ssm.inner_size")) // nv
+    return nk, nv if arch in _TILED else nk, int(_field(reader, f"{arch}.ssm.state_size")), dv
+
+
+def _undo_hybrid(name: str, t: torch.Tensor, dims: tuple, blocks: bool) -> torch.Tensor:
+    """Undo what the convert script did to a Qwen3.5 tensor of the whole file (before a rank takes its part): value
+    heads back from tiled to grouped order (rows of q|k|v's v, z, b, a, A, dt_bias and the conv1d's v channels;
+    ssm_out's columns: whole blocks where `blocks`, rows [out, in bytes]), A back to A_log."""
+    nk, nv, dk, dv = dims
+    kind = name.split(".")[2] if name.startswith("blk.") else name
+    if nv != nk and kind in ("attn_qkv", "ssm_conv1d"):
+        t = torch.cat([t[:2 * nk * dk], t[2 * nk * dk:][_untiled(nk, nv // nk, dv)]])
+    elif nv != nk and kind in ("attn_gate", "ssm_beta", "ssm_alpha", "ssm_a", "ssm_dt"):
+        t = t[_untiled(nk, nv // nk, dv if kind == "attn_gate" else 1)]
+    elif nv != nk and kind == "ssm_out" and blocks:  # every head's columns: whole blocks
+        t = t.view(t.shape[0], nv, -1)[:, _untiled(nk, nv // nk, 1)].reshape(t.shape[0], -1)
+    elif nv != nk and kind == "ssm_out":
+        t = t[:, _untiled(nk, nv // nk, dv)]
+    return a_log(t) if kind == "ssm_a" else t
+
+
+def _tiled_columns(name: str, dims: tuple | None, block: int) -> bool:
+    """Whether a Qwen3.5 ssm_out's value heads, stored tiled, are parts of blocks (a head of 128 columns in K-quants'
+    super-blocks of 256), so that moving its columns back would cut blocks."""
+    return bool(dims) and name.endswith("ssm_out.weight") and dims[1] != dims[0] and dims[3] % block != 0
+
+
 def _llama3_rope(factors: np.ndarray, reader, arch: str, path: str) -> dict:
     """transformers' llama3 rope_parameters that give the per-frequency factors llama.cpp's convert script
     stored in rope_freqs.weight: factor is their largest, low/high_freq_factor and the original context
@@ -402,12 +502,12 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
     """A llama.cpp tensor name as the Hugging Face checkpoint names it (None: nothing pagoda loads)."""
     names, prefix, layer = _GPT2_NAMES if arch == "gpt2" else (_GLOBAL_NAMES, _LAYER_PREFIX, _LAYER_NAMES)
     layer = _FAMILY_NAMES.get(arch, layer)
-    base, _, kind = name.rpartition(".")
+    base, _, kind = name.rpartition(".") if not name.endswith(".ssm_a") else (name, "", "")  # A: no suffix
     if base in names:
         return f"{names[base]}.{kind}"
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
-        kind = "" if parts[2] == "attn_sinks" else f".{kind}"  # a parameter of its own, not a layer's weight
+        kind = "" if parts[2] in _OWN_PARAMS else f".{kind}"
         return f"{prefix}.{parts[1]}.{layer[parts[2]]}{kind}"
     return None
 
@@ -457,12 +557,14 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
              sum(os.path.getsize(f) for f in files) / 2**30)
     heads = {"q_proj": _field(readers[0], f"{arch}.attention.head_count"),  # the rows llama.cpp permuted
              "k_proj": _field(readers[0], f"{arch}.attention.head_count_kv")} if arch in _PERMUTED else {}
+    dims = _hybrid_dims(readers[0], arch) if arch in _HYBRID else None
     params = dict(model.named_parameters())
     dtype, device = next(iter(params.values())).dtype, next(iter(params.values())).device
     native, why = cpu_ops.is_available(device)
     missing, widened = set(params), {}
     blocks: dict[torch.nn.Module, dict] = {}  # linear layer or embedding -> {shard: (ggml type, blocks)}
     expert_types = _expert_types(readers)
+    perms: dict[torch.nn.Module, torch.Tensor] = {}  # layer -> GGUFWeight.perm (_tiled_columns)
     for reader, file in zip(readers, files):
         for t in reader.tensors:
             if _EXPERTS.match(t.name):
@@ -478,6 +580,9 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
             keep = (native and kind in GGUF_KERNEL_TYPES and owner.weight is params[pname]
                     and isinstance(owner, (torch.nn.Linear, torch.nn.Embedding))
                     and _whole_blocks(owner, cols, GGUF_KERNEL_TYPES[kind][1]))
+            tiled = keep and _tiled_columns(t.name, dims, GGUF_KERNEL_TYPES[kind][1])
+            if tiled and owner.tp.size > 1:  # a rank's value heads would cut blocks
+                keep = tiled = False
             if keep:
                 tensor = torch.from_numpy(t.data).view(torch.uint8).reshape(rows, -1)  # the file's: to_blocks copies
             else:
@@ -489,7 +594,17 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
             proj = name.rsplit(".", 2)[-2]
             if proj in heads:
                 tensor = _unpermute(tensor, heads[proj])
+            if tiled:  # the blocks stay in the file's column order, the activations are gathered to it per call
+                perms[owner] = torch.argsort(_untiled(dims[0], dims[1] // dims[0], dims[3]))
+            elif dims is not None:
+                tensor = _undo_hybrid(t.name, tensor, dims, keep)
             tensor = _rank_part(tensor, owner, pname, shard, GGUF_KERNEL_TYPES[kind][1:] if keep else (1, 1))
+            if t.name.endswith("ssm_ba.weight"):  # Qwen3-Next's b|a grouped per key head: this rank's heads'
+                from pagoda.engine.models.qwen3_5 import _per_key_head_to_blocks
+
+                tensor = _per_key_head_to_blocks(model.get_submodule(pname.rsplit(".", 2)[0]), pname, tensor)
+            if tensor.dim() == 2 and params[pname].dim() == 3:  # the conv1d: [channels, kernel] in the file
+                tensor = tensor.unsqueeze(1)
             if keep:
                 blocks.setdefault(owner, {})[shard] = (kind, tensor)
                 _check_shape(owner, pname, shard, tensor, GGUF_KERNEL_TYPES[kind][1:], params[pname], file, t.name)
@@ -507,6 +622,7 @@ def load_weights(model: torch.nn.Module, path: str, optional: tuple[str, ...] = 
         shards = blocks.pop(layer)  # freed once joined into the layer's parts, not at the end
         tied = [m for m in model.modules() if m is not layer and getattr(m, "weight", None) is layer.weight]
         weight = to_blocks(layer, shards, dtype)
+        weight.perm = perms.get(layer)
         for m in tied:  # a tied LM head: the embedding's blocks
             m.qweight, m.weight = weight, None
     if widened:

@@ -2,8 +2,8 @@
 llama.cpp's convert script lays them out (its tensor names, a llama's Q/K rows permuted for its RoPE, Gemma's
 norms as 1 + w, each family's metadata, the tokenizer as tokenizer.ggml.* metadata), with the `gguf` package's
 GGUFWriter. Linear weights in a chosen block type: quantized by gguf.quants where it can (Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1), else random valid blocks (the K-quants), so that the file's weights are whatever
-gguf.quants.dequantize reads from it."""
+Q5_0, Q5_1), else random valid blocks (the K-quants, IQ4_NL, IQ4_XS, IQ2_XXS), so that the file's weights are
+whatever gguf.quants.dequantize reads from it."""
 import math
 import os
 import re
@@ -24,7 +24,8 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 # (offset of each f16 scale in a block, its value): random bytes elsewhere are valid quants and sub-scales
 _SCALES = {Q.Q4_K: ((0, 0.002), (2, 0.015)), Q.Q5_K: ((0, 0.001), (2, 0.015)), Q.Q6_K: ((208, 1e-4),),
-           Q.Q2_K: ((80, 0.01), (82, 0.01)), Q.Q3_K: ((108, 0.002),), Q.IQ4_NL: ((0, 0.004),)}
+           Q.Q2_K: ((80, 0.01), (82, 0.01)), Q.Q3_K: ((108, 0.002),), Q.IQ4_NL: ((0, 0.004),),
+           Q.IQ4_XS: ((0, 2e-4),), Q.IQ2_XXS: ((0, 0.003),)}
 
 
 _GPT2 = {"transformer.wte": "token_embd", "transformer.wpe": "position_embd", "transformer.ln_f": "output_norm",
@@ -36,8 +37,16 @@ CONV1D = ("c_attn.weight", "c_proj.weight", "c_fc.weight")  # GPT-2's Conv1D wei
 # Phi-3's fused q|k|v and gate|up
 _POST_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
+# hybrid linear attention: transformers' model_type -> llama.cpp's architecture, and its layers' names
+HYBRID_ARCH = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
+_HYBRID_LAYER = {"post_attention_layernorm": "post_attention_norm", "linear_attn.in_proj_qkv": "attn_qkv",
+                 "linear_attn.in_proj_z": "attn_gate", "linear_attn.in_proj_b": "ssm_beta",
+                 "linear_attn.in_proj_a": "ssm_alpha", "linear_attn.in_proj_ba": "ssm_ba",
+                 "linear_attn.conv1d": "ssm_conv1d", "linear_attn.dt_proj": "ssm_dt", "linear_attn.norm": "ssm_norm",
+                 "linear_attn.out_proj": "ssm_out"}
 _FAMILY_LAYER = {"gemma2": _POST_NORMS, "gemma3": _POST_NORMS, "olmo2": _POST_NORMS,
-                 "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}}
+                 "phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+                 **dict.fromkeys(HYBRID_ARCH.values(), _HYBRID_LAYER)}
 PERMUTED = ("llama", "granite", "smollm3")  # convert_hf_to_gguf.py's LlamaModel and its subclasses permute Q/K
 GEMMA = ("gemma2", "gemma3")  # the converter stores each RMSNorm weight as 1 + w (Gemma's norms scale by it)
 
@@ -119,9 +128,70 @@ def _llama_like(w, cfg, head_dim):  # TextModel (OLMo 2), LlamaModel (SmolLM3), 
         w.add_residual_scale(cfg.residual_multiplier), w.add_logit_scale(cfg.logits_scaling)
 
 
+def _hybrid(w, cfg, head_dim):  # TextModel, then Qwen3NextModel's linear-attention sizes and partial RoPE
+    rope = cfg.rope_parameters
+    w.add_key_length(head_dim), w.add_value_length(head_dim)
+    if "mrope_section" in rope:
+        w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0] * 4)[:4])
+    w.add_rope_freq_base(rope["rope_theta"]), w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim), w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads), w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(getattr(cfg, "full_attention_interval", 4))
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 0.25)))
+
+
 # the metadata convert_hf_to_gguf.py writes for these families (beside the sizes every file has)
 FAMILY_METADATA = {"gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "olmo2": _llama_like,
-                   "granite": _llama_like, "smollm3": _llama_like}
+                   "granite": _llama_like, "smollm3": _llama_like, **dict.fromkeys(HYBRID_ARCH.values(), _hybrid)}
+
+
+def reorder_v_heads(t: torch.Tensor, dim: int, nk: int, r: int, size: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py _LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by key head
+    ([nk, r] heads of `size`) to tiled ([r, nk]); with nk and r swapped, back."""
+    shape = list(t.shape)
+    t = t.reshape(*shape[:dim], nk, r, size, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
+def _hybrid_state(state: dict, cfg, arch: str) -> dict:
+    """Qwen3.5's / Qwen3-Next's linear-attention tensors as llama.cpp's converter writes them (the rest as they
+    are): Qwen3.5's value heads tiled (_LinearAttentionVReorderBase), then Qwen3NextModel.modify_tensors: A as
+    -exp(A_log) (blk.N.ssm_a), dt_bias as ssm_dt.bias, the conv1d squeezed, every RMSNorm but the gated one as
+    1 + w, Qwen3-Next's q|k|v|z grouped per key head split into q|k|v (each over all heads) and z."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, nv // nk
+    out = {}
+    for name, t in state.items():
+        if name.startswith("mtp."):
+            continue
+        if arch != "qwen3next" and nk != nv and "linear_attn." in name:
+            if ".in_proj_qkv." in name or ".conv1d." in name:
+                t = t.squeeze() if ".conv1d." in name else t
+                t = torch.cat([t[:2 * nk * dk], reorder_v_heads(t[2 * nk * dk:], 0, nk, r, dv)])
+            elif ".in_proj_z." in name:
+                t = reorder_v_heads(t, 0, nk, r, dv)
+            elif ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+                t = reorder_v_heads(t, 0, nk, r, 1)
+            elif ".out_proj." in name:
+                t = reorder_v_heads(t, 1, nk, r, dv)
+        n = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith(".A_log"):
+            out[f"blk.{n}.ssm_a"] = -torch.exp(t)
+            continue
+        if name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        if "in_proj_qkvz.weight" in name:
+            q, k, v, z = t.view(nk, -1, t.shape[-1]).split([dk, dk, r * dv, r * dv], dim=1)
+            out[f"blk.{n}.attn_qkv.weight"] = torch.cat([p.reshape(-1, t.shape[-1]) for p in (q, k, v)])
+            out[f"blk.{n}.attn_gate.weight"] = z.reshape(-1, t.shape[-1])
+        else:
+            out[name] = t
+    return out
 
 
 # mixtures of experts: transformers' model_type -> llama.cpp's architecture (Mixtral: llama with experts)
@@ -200,7 +270,8 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
 
     cfg, tok = AutoConfig.from_pretrained(ckpt), AutoTokenizer.from_pretrained(ckpt)
     # llama.cpp writes Mistral as llama, and Gemma 3's text model as gemma3
-    arch = {"mistral": "llama", "gemma3_text": "gemma3", **MOE_ARCH}.get(cfg.model_type, cfg.model_type)
+    arch = {"mistral": "llama", "gemma3_text": "gemma3", **MOE_ARCH, **HYBRID_ARCH}.get(cfg.model_type,
+                                                                                     cfg.model_type)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split)
     w.add_name(f"tiny-{cfg.model_type}")  # transformers tells Mistral from Llama by "mistral" in the name
@@ -212,10 +283,11 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
         w.add_feed_forward_length(cfg.n_inner or 4 * cfg.n_embd)
         w.add_layer_norm_eps(cfg.layer_norm_epsilon)
     else:
-        w.add_feed_forward_length(cfg.intermediate_size)
+        if getattr(cfg, "intermediate_size", None) is not None:  # Qwen3.5-MoE has none
+            w.add_feed_forward_length(cfg.intermediate_size)
         w.add_head_count_kv(cfg.num_key_value_heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if cfg.model_type in MOE_ARCH:
+    if cfg.model_type in MOE_ARCH or getattr(cfg, "num_experts", 0):
         _moe_metadata(w, cfg, arch)
     if arch in FAMILY_METADATA:
         FAMILY_METADATA[arch](w, cfg, head_dim)
@@ -252,8 +324,10 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
                    for w in wavelen]
         w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     state = load_file(os.path.join(ckpt, "model.safetensors"))
-    if cfg.model_type in MOE_ARCH:
+    if cfg.model_type in MOE_ARCH or getattr(cfg, "num_experts", 0):
         state = _moe_state(state, cfg)
+    if arch in HYBRID_ARCH.values():
+        state = _hybrid_state(state, cfg, arch)
     for name, t in state.items():
         gname = name if name.startswith("blk.") else gguf_name(name, arch)
         if gname is None:
@@ -319,6 +393,7 @@ def dequantized_state(path: str, cfg) -> dict[str, torch.Tensor]:
 
     state, experts = {}, {}
     arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+    hybrid = arch in HYBRID_ARCH.values()
     for file in split_files(path):
         for t in gguf.GGUFReader(file).tensors:
             a = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(list(reversed([int(n) for n in t.shape])))
@@ -337,7 +412,39 @@ def dequantized_state(path: str, cfg) -> dict[str, torch.Tensor]:
             if name.endswith("shared_expert_gate.weight"):  # [hidden] in the file
                 a = a.reshape(1, -1)
             state[name] = torch.from_numpy(np.ascontiguousarray(a.T if name.endswith(CONV1D) else a))
+            if hybrid:
+                state[name] = _hf_hybrid(name, state[name], cfg, arch)
+    if arch == "qwen3next":  # q|k|v and z back into one tensor grouped per key head
+        nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        for name in [n for n in state if n.endswith("in_proj_qkv.weight")]:
+            qkv, z = state.pop(name), state.pop(name.replace("in_proj_qkv", "in_proj_z"))
+            pieces = [p.reshape(nk, -1, p.shape[-1]) for p in (*qkv.split([nk * dk, nk * dk, z.shape[0]]), z)]
+            state[name.replace("in_proj_qkv", "in_proj_qkvz")] = torch.cat(pieces, dim=1).reshape(-1, z.shape[-1])
     return {**state, **_hf_experts(experts, arch)}
+
+
+def _hf_hybrid(name: str, t: torch.Tensor, cfg, arch: str) -> torch.Tensor:
+    """A hybrid's tensor of the file back as transformers holds it: norms less the 1, A_log from A, the conv1d
+    [channels, 1, kernel], Qwen3.5's value heads back from tiled to grouped by key head."""
+    from pagoda.engine.gguf import a_log
+
+    nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return t - 1
+    if arch != "qwen3next" and nk != nv and ".linear_attn." in name:
+        r = nv // nk
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            t = torch.cat([t[:2 * nk * dk], reorder_v_heads(t[2 * nk * dk:], 0, r, nk, dv)])
+        elif name.endswith("in_proj_z.weight"):
+            t = reorder_v_heads(t, 0, r, nk, dv)
+        elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+            t = reorder_v_heads(t, 0, r, nk, 1)
+        elif name.endswith("out_proj.weight"):
+            t = reorder_v_heads(t, 1, r, nk, dv)
+    if name.endswith("A_log"):
+        return a_log(t)
+    return t.unsqueeze(1) if name.endswith("conv1d.weight") else t
 
 
 def _hf_experts(experts: dict, arch: str) -> dict[str, torch.Tensor]:

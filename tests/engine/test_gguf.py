@@ -26,9 +26,12 @@ pytestmark = pytest.mark.timeout(300)
 # piece beside them; the embedding in Q8_0 blocks too (its rows dequantized as looked up)
 Q4_K_M = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q5_K, "ffn_gate": Q.Q4_K,
           "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K, "output": Q.Q6_K, "token_embd": Q.Q8_0}
-# gguf.quants' own quantizers (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), and a rarer type (Q2_K) widened at load
+# gguf.quants' own quantizers (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), and a rarer type (IQ2_XXS) widened at load
 LEGACY = {"attn_q": Q.Q8_0, "attn_k": Q.Q5_0, "attn_v": Q.Q5_1, "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_1,
-          "ffn_up": Q.Q2_K, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0}
+          "ffn_up": Q.IQ2_XXS, "ffn_down": Q.Q8_0, "token_embd": Q.Q8_0}
+# the low-bit files' types (llama.cpp's Q2_K, Q3_K_S/M/L and IQ4_XS mixes), the embedding and untied head too
+LOW_BITS = {"attn_q": Q.Q2_K, "attn_k": Q.Q2_K, "attn_v": Q.Q3_K, "attn_output": Q.IQ4_XS, "ffn_gate": Q.Q3_K,
+            "ffn_up": Q.Q2_K, "ffn_down": Q.IQ4_XS, "output": Q.IQ4_XS, "token_embd": Q.Q3_K}
 GPT2 = {"attn_qkv": Q.Q4_K, "attn_output": Q.Q8_0, "ffn_up": Q.Q6_K, "ffn_down": Q.Q5_K, "token_embd": Q.Q8_0}
 PROMPT = list(range(7, 7 + qz.DEQUANT_MIN_ROWS + 12))  # a prefill over dequantized chunks, then kernel decodes
 
@@ -72,7 +75,7 @@ def test_block_types_match_transformers_on_the_dequantized_weights(checkpoints, 
         got, model = _greedy(path)
     widened = [r.getMessage() for r in caplog.records if "widened" in r.getMessage()]
     if arch == "qwen2":  # the one log line naming them
-        assert len(widened) == 1 and widened[0].endswith("Q2_K: blk.0.ffn_up.weight, blk.1.ffn_up.weight"), widened
+        assert len(widened) == 1 and widened[0].endswith("IQ2_XXS: blk.0.ffn_up.weight, blk.1.ffn_up.weight"), widened
     else:
         assert not widened
     embedding = model.wte if arch == "gpt2" else model.embed_tokens
@@ -81,7 +84,7 @@ def test_block_types_match_transformers_on_the_dequantized_weights(checkpoints, 
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
     assert all(m.weight is None for m in layers)
     kinds = {k for m in layers for k, _ in m.qweight.parts}
-    # qwen2's gate_up: gate in Q4_1 blocks, up widened (Q2_K) beside it as a float part
+    # qwen2's gate_up: gate in Q4_1 blocks, up widened (IQ2_XXS) beside it as a float part
     assert kinds == {"llama": {"Q4_K", "Q5_K", "Q6_K"}, "qwen2": {"Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", None},
                      "gpt2": {"Q4_K", "Q5_K", "Q6_K", "Q8_0"}}[arch]
     if arch == "llama":  # qkv: q and k in Q4_K, v in Q6_K, side by side in one layer
@@ -89,6 +92,22 @@ def test_block_types_match_transformers_on_the_dequantized_weights(checkpoints, 
     want = _reference(checkpoints[arch], dequantized_state(path, load_hf_config(path)))
     same = sum(a == b for a, b in zip(got, want))
     assert got[0] == want[0] and same >= 0.9 * len(want), (got, want)  # float32 activations: all, so far
+
+
+def test_low_bit_block_types_stay_blocks_and_match_transformers(checkpoints, tmp_path, caplog):
+    """Q2_K, Q3_K and IQ4_XS are computed on as blocks (no widening log line), the embedding's rows and the
+    head included; greedy output token-identical to transformers over gguf.quants' dequantized weights."""
+    path = write_gguf(checkpoints["llama"], str(tmp_path / "low.gguf"), types=LOW_BITS)
+    with caplog.at_level(logging.INFO, logger="pagoda.engine"):
+        got, model = _greedy(path)
+    assert not [r.getMessage() for r in caplog.records if "widened" in r.getMessage()]
+    assert model.embed_tokens.weight is None and model.embed_tokens.qweight.parts[0][0] == "Q3_K"
+    assert model.lm_head.qweight.parts[0][0] == "IQ4_XS"
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.qweight is not None]
+    assert all(m.weight is None for m in layers)
+    assert {k for m in layers for k, _ in m.qweight.parts} == {"Q2_K", "Q3_K", "IQ4_XS"}
+    assert [k for k, _ in model.layers[0].self_attn.qkv_proj.qweight.parts] == ["Q2_K", "Q3_K"]
+    assert got == _reference(checkpoints["llama"], dequantized_state(path, load_hf_config(path)))
 
 
 def test_llama3_rope_scaling_from_rope_freqs(tmp_path):

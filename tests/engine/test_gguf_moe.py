@@ -98,12 +98,12 @@ def test_block_experts_match_transformers_on_the_dequantized_weights(checkpoints
 
 
 def test_other_types_and_mixed_gate_up_are_widened_in_one_log_line(checkpoints, tmp_path, caplog):
-    types = {"ffn_gate_exps": Q.Q2_K, "ffn_up_exps": Q.Q2_K, "ffn_down_exps": Q.Q8_0}
+    types = {"ffn_gate_exps": Q.IQ2_XXS, "ffn_up_exps": Q.IQ2_XXS, "ffn_down_exps": Q.Q8_0}
     path = write_gguf(checkpoints["qwen3_moe"], str(tmp_path / "m.gguf"), types=types)
     with caplog.at_level(logging.INFO, logger="pagoda.engine"):
         got, model = _greedy(path)
     lines = [r.getMessage() for r in caplog.records if "widened" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].endswith("Q2_K: blk.1.ffn_gate_exps.weight, blk.1.ffn_up_exps.weight"), lines
+    assert len(lines) == 1 and lines[0].endswith("IQ2_XXS: blk.1.ffn_gate_exps.weight, blk.1.ffn_up_exps.weight"), lines
     experts = model.layers[1].mlp.experts
     assert experts.gate_up_proj is not None and list(experts.gguf) == ["down_proj"]  # down stays in blocks
     assert got == _reference(checkpoints["qwen3_moe"], dequantized_state(path, load_config(path)))
@@ -201,7 +201,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q5_K), (Q.Q5_0, Q.IQ4_NL), (Q.MXFP4, Q.MXFP4)],
+@pytest.mark.parametrize("types", [(Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q5_K), (Q.Q5_0, Q.IQ4_NL), (Q.Q2_K, Q.Q3_K),
+                                   (Q.IQ4_XS, Q.Q3_K), (Q.MXFP4, Q.MXFP4)],
                          ids=lambda t: f"{t[0].name}-{t[1].name}")
 def test_the_op_over_gguf_blocks_is_the_loop_over_their_dequantized_weights(case, types):
     from gguf.quants import dequantize

@@ -1,7 +1,7 @@
 // GGUF block formats as llama.cpp stores them (ggml-quants.c's layouts), decoded in registers: Q8_0, Q4_0, Q4_1,
-// Q5_0, Q5_1, IQ4_NL (32 weights a block), Q4_K, Q5_K, Q6_K (256 a super-block); and rows of blocks times a few
-// rows of float32 activations. Shared by the linear layers over blocks (gguf_cpu.cpp) and the experts
-// (moe_cpu.cpp).
+// Q5_0, Q5_1, IQ4_NL (32 weights a block), Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (256 a super-block); and rows of
+// blocks times a few rows of float32 activations. Shared by the linear layers over blocks (gguf_cpu.cpp) and the
+// experts (moe_cpu.cpp).
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -39,7 +39,10 @@ inline __m128i bits(__m128i b, int s, int n, int to) {
 }
 
 // ggml's type ids (gguf.GGMLQuantizationType)
-enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20 };
+enum Type : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
+};
 
 struct Q8_0 {  // d (f16), qs[32] int8: w = d * q
   static constexpr int kN = 32, kBytes = 34;
@@ -120,10 +123,15 @@ struct Q5_1 {  // d, m (f16), qh[4], qs[16]: w = d * q + m
   }
 };
 
-struct IQ4_NL {  // d (f16), qs[16]: w = d * kValues[nibble] (a non-uniform grid, looked up by a byte shuffle)
+// IQ4_NL's and IQ4_XS's non-uniform grid of 16 values (kvalues_iq4nl), looked up by a byte shuffle
+inline __m128i iq4_grid() {
+  return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+}
+
+struct IQ4_NL {  // d (f16), qs[16]: w = d * grid[nibble]
   static constexpr int kN = 32, kBytes = 18;
   static void dequant(const uint8_t* b, float* y) {
-    const __m128i grid = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m128i grid = iq4_grid();
     const vec d = splat(f16(b));
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
     put16s(y, _mm_shuffle_epi8(grid, low4(q)), d);
@@ -204,6 +212,79 @@ struct Q6_K {  // ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] int8, d
   }
 };
 
+// d (f16), scales_h (u16), scales_l[4], qs[128]: 8 sub-blocks of 32 laid out as IQ4_NL's, w = d * (sc - 32) *
+// grid[nibble], sub-block j's 6-bit sc from nibble j of scales_l and bits 2j, 2j + 1 of scales_h
+struct IQ4_XS {
+  static constexpr int kN = 256, kBytes = 136;
+  static void dequant(const uint8_t* b, float* y) {
+    const __m128i grid = iq4_grid();
+    const float d = f16(b);
+    uint16_t sh;
+    std::memcpy(&sh, b + 2, 2);
+    const uint8_t* q = b + 8;
+    for (int j = 0; j < 8; ++j, q += 16, y += 32) {
+      const int sc = (((b[4 + j / 2] >> 4 * (j % 2)) & 0xF) | (((sh >> 2 * j) & 3) << 4)) - 32;
+      const vec dl = splat(d * static_cast<float>(sc));
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      put16s(y, _mm_shuffle_epi8(grid, low4(v)), dl);
+      put16s(y + 16, _mm_shuffle_epi8(grid, high4(v)), dl);
+    }
+  }
+};
+
+// a Q2_K / Q3_K super-block's weights 32 * i + l (i < 4) of each half of 128: bits 2i, 2i + 1 of byte l of that
+// half's 32 quant bytes (Q3_K's third bit: bit 4 * half + i of hmask's byte l); 16 a group share a scale, group
+// 8 * half + 2 * i + l / 16
+
+struct Q2_K {  // scales[16] (a 4-bit scale, a 4-bit min a group), qs[64], d, dmin (f16): w = d * sc * q - dmin * m
+  static constexpr int kN = 256, kBytes = 84;
+  static void dequant(const uint8_t* b, float* y) {
+    alignas(64) float sc[16], mn[16];
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+    put16s(sc, low4(s), splat(f16(b + 80)));
+    put16s(mn, high4(s), splat(-f16(b + 82)));
+    const uint8_t* q = b + 16;
+    for (int h = 0; h < 2; ++h, q += 32, y += 128)
+      for (int l = 0; l < 32; l += kW) {
+        const __m128i v = bytes(q + l);
+        for (int i = 0; i < 4; ++i) {
+          const int g = 8 * h + 2 * i + l / 16;
+          store(y + 32 * i + l, fma(splat(sc[g]), u8(bits(v, 2 * i, 2, 0)), splat(mn[g])));
+        }
+      }
+  }
+};
+
+// a Q3_K super-block's 16 6-bit scales (low 4 bits: bytes 0-7's low then high nibbles; high 2 bits: bytes 8-11,
+// bits 2k, 2k + 1 of byte j % 4 for scale j, k = j / 4), less 32, times d
+inline void q3_scales(const uint8_t* s, float d, float* out) {
+  uint32_t h;
+  std::memcpy(&h, s + 8, 4);
+  const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+  const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(static_cast<int>(h)), _mm_setr_epi32(0, 2, 4, 6)),
+                                   _mm_set1_epi8(3));
+  const __m128i sc = _mm_or_si128(_mm_unpacklo_epi64(low4(a), high4(a)), _mm_slli_epi16(hi, 4));
+  put16s(out, _mm_sub_epi8(sc, _mm_set1_epi8(32)), splat(d));
+}
+
+struct Q3_K {  // hmask[32] (3rd bits), qs[64] (low 2 bits), scales[12], d (f16): w = d * sc * (q - 4), q < 8
+  static constexpr int kN = 256, kBytes = 110;
+  static void dequant(const uint8_t* b, float* y) {
+    alignas(64) float sc[16];
+    q3_scales(b + 96, f16(b + 108), sc);
+    const uint8_t* q = b + 32;
+    const __m128i four = _mm_set1_epi8(4);
+    for (int h = 0; h < 2; ++h, q += 32, y += 128)
+      for (int l = 0; l < 32; l += kW) {
+        const __m128i v = bytes(q + l), m = bytes(b + l);  // hmask: bit 4 * half + s of byte l
+        for (int i = 0; i < 4; ++i) {
+          const __m128i w = _mm_sub_epi8(_mm_or_si128(bits(v, 2 * i, 2, 0), bits(m, 4 * h + i, 1, 2)), four);
+          store(y + 32 * i + l, splat(sc[8 * h + 2 * i + l / 16]) * i8(w));
+        }
+      }
+  }
+};
+
 constexpr int kMaxRows = 8;  // rows whose accumulators share a dequantized block
 constexpr int kSpan = 256;  // weights dequantized into L1 at a time (8 blocks of 32, or a super-block)
 
@@ -276,7 +357,11 @@ void by_type(int64_t type, F&& f) {
     case kQ4_K: f(Q4_K{}); break;
     case kQ5_K: f(Q5_K{}); break;
     case kQ6_K: f(Q6_K{}); break;
-    default: TORCH_CHECK(false, "GGUF type ", type, " has no CPU kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K have)");
+    case kQ2_K: f(Q2_K{}); break;
+    case kQ3_K: f(Q3_K{}); break;
+    case kIQ4_XS: f(IQ4_XS{}); break;
+    default: TORCH_CHECK(false, "GGUF type ", type, " has no CPU kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, "
+                         "Q2_K, Q3_K, IQ4_XS have)");
   }
 }
 

@@ -1,11 +1,16 @@
 // Linear layers over GGUF block formats as llama.cpp stores them (ggml-quants.c's layouts), computed on the
 // blocks in memory: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL (32 weights a block), Q4_K, Q5_K, Q6_K (256 a
-// super-block). A few rows (decode): 256 weights of a row at a time are dequantized into L1 by vector code
-// (every type), then every row's float32 activations multiply them, the rows' accumulators in registers.
-// Activations stay float32 (not llama.cpp's int8 ones, so no VNNI): each output is a float32 dot product of
-// the dequantized weights, gguf.quants.dequantize(W) @ x up to summation order; the price is the int-to-float
-// conversions, which bound these loops (benchmarks/gguf_kernels.py: one row of [4864, 896] on one Zen 4 core,
-// GB/s of weights: Q8_0 16, Q4_0 7.5, Q4_1 8, Q5_0 6.6, Q5_1 7, IQ4_NL 7.6, Q6_K 6.9, Q4_K 5.3 at 768 inputs).
+// super-block), and whatever else gguf_blocks.h decodes. A few rows (decode) take one of two paths, per type
+// (integer_path below):
+// - integer (gguf_dot.h): the activations are quantized once per call to 16 bits in blocks of 32 (dx = max|x| /
+//   32767 in float32, q = round-half-even(x / dx)), each weight block's dot with them summed in integers (int16
+//   weights times int16 activations, madd) and scaled in float. Each output is then dequantize(W) @
+//   dequantize(q16(x)) (up to float32 rounding), not dequantize(W) @ x: each activation off by up to dx / 2, a
+//   relative error of about 2e-5 of a dot product of random activations (8 bits, llama.cpp's, gave 0.5%: enough to
+//   flip the test models' greedy near-ties).
+// - float (gguf_blocks.h rows): 256 weights of a row at a time dequantized into L1 by vector code, then every
+//   row's float32 activations multiply them, the rows' accumulators in registers: dequantize(W) @ x up to
+//   summation order; bound by the int-to-float conversions. Types without an integer dot take it.
 // Many rows: the caller dequantizes chunks of rows (gguf_dequantize) for a GEMM.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,6 +23,7 @@
 #include <cstring>
 
 #include "gguf_blocks.h"
+#include "gguf_dot.h"
 
 namespace {
 
@@ -33,18 +39,67 @@ void check_blocks(const at::Tensor& w, int64_t type, int64_t K) {
   });
 }
 
+// Which path a type's few-row kernel takes: the integer dots wherever they are faster than the float path.
+// benchmarks/gguf_kernels.py --paths float integer --rows 1 4 8, GB/s of weights, [4864, 896] (K-quants
+// [4864, 768]), one thread on a Zen 4 shared with other work (best of 5), float -> integer:
+//            AVX-512 build                               AVX2 build (ATEN_CPU_CAPABILITY=avx2)
+//            1 row          4 rows         8 rows        1 row          4 rows
+//   Q8_0     13.4 -> 19.1    5.3 ->  5.9    4.3 ->  5.3      7.7 -> 19.6    3.3 ->  5.8
+//   Q4_0      6.7 -> 11.3    2.9 ->  3.7    2.4 ->  3.5      3.7 ->  9.8    2.3 ->  3.5
+//   Q4_1      6.2 -> 10.2    3.1 ->  3.9    2.6 ->  3.8      4.5 ->  9.7    2.6 ->  3.9
+//   Q5_0      5.4 ->  8.7    2.8 ->  3.9    2.5 ->  3.9      3.8 ->  8.1    2.4 ->  3.7
+//   Q5_1      5.7 ->  9.6    3.0 ->  4.2    2.7 ->  4.1      4.1 ->  8.2    2.5 ->  4.0
+//   IQ4_NL    6.0 ->  7.5    2.7 ->  2.7    2.4 ->  2.7      4.1 ->  7.0    2.3 ->  2.7
+//   Q4_K      3.7 -> 10.3    2.4 ->  4.2    2.2 ->  4.0      3.2 -> 10.2    2.0 ->  4.1
+//   Q5_K      4.0 ->  8.4    2.5 ->  4.5    2.4 ->  4.2      2.8 ->  7.8    1.9 ->  4.1
+//   Q6_K      5.8 -> 10.1    3.2 ->  5.1    2.8 ->  4.6      3.6 ->  8.7    2.2 ->  4.3
+// The integer path is the faster (IQ4_NL: level at 4 rows) in both builds. It stays on maddubs / madd: VNNI's
+// dpbusd (AVX512-VNNI, AVX-VNNI) would fuse the two, but is in neither build's flags.
+bool integer_path(int64_t type) {
+  switch (type) {
+    case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kIQ4_NL: case kQ4_K: case kQ5_K: case kQ6_K:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // x: [M, K] float32 or bfloat16; w: [O, K / block * block_bytes] uint8 -> x @ dequantize(w).T: [M, O] in x's dtype,
-// accumulated in float32. Threads split the outputs.
-at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t type) {
+// accumulated in float32; on the integer path x is first quantized to 16 bits in blocks of 32, so the result is
+// dequantize(q16(x)) @ dequantize(w).T. path: -1 the type's (integer_path), 0 float, 1 integer (benchmarks, tests).
+// Threads split the outputs.
+at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t type, int64_t path) {
   TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(path >= -1 && path <= 1, "path must be -1 (the type's), 0 (float) or 1 (integer), not ", path);
   const int64_t K = x_in.size(1), O = w.size(0);
   check_blocks(w, type, K);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, O}, x.options());
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K));
+  const bool integer = path == -1 ? integer_path(type) : path == 1;
   by_type(type, [&](auto t) {
     using T = decltype(t);
+    if constexpr (Dot<T>::kHas) {
+      if (integer) {
+        // x quantized once: [M, K] int16, then float32 [M, K / 32] scales and [M, K / 32] sums; 512 bytes more for
+        // the loads past the last row's end (of 8 blocks, up to 7 unused)
+        at::Tensor buf = at::empty({M * K * 2 + M * K / 32 * 8 + 512}, x.options().dtype(at::kByte));
+        int16_t* q = reinterpret_cast<int16_t*>(buf.data_ptr<uint8_t>());
+        float* d = reinterpret_cast<float*>(q + M * K);
+        float* s = d + M * K / 32;
+        at::parallel_for(0, M * K / 32, 256, [&](int64_t a, int64_t e) {
+          quantize_blocks(x.data_ptr<float>() + a * 32, e - a, q + a * 32, d + a, s + a);
+        });
+        at::parallel_for(0, O, grain, [&](int64_t a, int64_t e) {
+          for (int64_t r = 0; r < M; r += kMaxRows)
+            dot_rows<T>(static_cast<int>(std::min<int64_t>(kMaxRows, M - r)), Q16Rows{q + r * K, d + r * K / 32, s + r * K / 32, K},
+                        w.data_ptr<uint8_t>(), w.size(1), y.data_ptr<float>() + r * O + a, O, a, e);
+        });
+        return;
+      }
+    }
+    TORCH_CHECK(!integer || path == -1, "GGUF type ", type, " has no integer path");
     at::parallel_for(0, O, grain, [&](int64_t a, int64_t e) {
       for (int64_t r = 0; r < M; r += kMaxRows)
         rows<T>(static_cast<int>(std::min<int64_t>(kMaxRows, M - r)), x.data_ptr<float>() + r * K, K,
@@ -72,7 +127,7 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t type, int64_t K) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagoda, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int type) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int type, int path=-1) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int type, int in_features) -> Tensor");
 }
 
