@@ -11,7 +11,7 @@ Q5_0, ...), best of --repeats rounds.
 
 measure() takes any number of op namespaces (say, a build of an older gguf_cpu.cpp loaded under another
 name) and of the op's paths (auto: the type's, as gguf_cpu.cpp's integer_path table picks; float: dequantized
-into L1; integer: 8-bit activations and integer dots) so that before/after runs interleave in one process.
+into L1; integer: 16-bit activations and integer dots) so that before/after runs interleave in one process.
 """
 import argparse
 import os

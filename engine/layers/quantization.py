@@ -10,13 +10,12 @@ transformers; benchmarks/quantization.py measures what int8 costs in accuracy.
 
 GGUF checkpoints' linear weights (engine/gguf.py GGUFWeight; GPTQ / AWQ / compressed-tensors ones repacked
 into GGUF blocks by engine/int4.py) go through the same dispatch (quantized_linear): pagoda's CPU kernels on
-the blocks as stored (csrc/gguf_cpu.cpp) for up to DEQUANT_MIN_ROWS - 1 rows, float32 activations and
-accumulators; more rows multiply chunks of the weight dequantized to the activations' dtype. The kernel has a
-second few-row path, llama.cpp's: activations quantized to 8 bits in blocks of 32 and integer dot products
-(csrc/gguf_dot.h), which computes dequantize(W) @ dequantize(q8(x)) instead of dequantize(W) @ x, 1.3-2.8x the
-weights' bandwidth of the float path (gguf_cpu.cpp's table). GGUF_FEW_ROW_PATH picks it: float for now, since on
-the tests' tiny random models the quantized activations flip greedy tokens past the accuracy rule (every first
-token, 90% of the rest) that the end-to-end tests would need."""
+the blocks as stored (csrc/gguf_cpu.cpp) for up to DEQUANT_MIN_ROWS - 1 rows, float32
+accumulators; more rows multiply chunks of the weight dequantized to the activations' dtype. The kernel picks
+one of two few-row paths per block type (gguf_cpu.cpp's integer_path and table): float (dequantize(W) @ x) or
+integer (csrc/gguf_dot.h: activations quantized to 16 bits in blocks of 32, integer dot products; dequantize(W)
+@ dequantize(q16(x)), each activation off by at most 1 / 65534 of its block's largest, at 1.3-2.4x the float
+path's weight bandwidth at one row)."""
 import logging
 
 import torch
@@ -34,9 +33,6 @@ _K_MULTIPLE = 16
 # GEMM over dequantized weights costs a fixed conversion plus little per row. Measured on Zen 4 (2
 # cores, [M, 896] x [896, 9728] and the [896, 151936] LM head): equal near 48 rows for both shapes.
 DEQUANT_MIN_ROWS = 48
-# gguf_linear's few-row path: 0 float (dequantize(W) @ x), 1 integer (8-bit activations), -1 the faster per
-# type (gguf_cpu.cpp integer_path: the integer one for every type it has)
-GGUF_FEW_ROW_PATH = 0
 CHUNK_ROWS = 2048  # output rows dequantized at once: a few MB, so the GEMM reads them from cache
 
 
@@ -98,7 +94,7 @@ def gguf_linear(x: torch.Tensor, layer) -> torch.Tensor:
         if kind is None:
             ys.append(F.linear(x, t.to(x.dtype)))
         elif x.shape[0] < DEQUANT_MIN_ROWS:
-            ys.append(ops.gguf_linear(x, t, GGUF_KERNEL_TYPES[kind][0], GGUF_FEW_ROW_PATH))
+            ys.append(ops.gguf_linear(x, t, GGUF_KERNEL_TYPES[kind][0]))  # the type's few-row path
         else:  # dequantized a few thousand rows at a time (they stay in cache), then a plain GEMM
             type_id = GGUF_KERNEL_TYPES[kind][0]
             ys += [F.linear(x, ops.gguf_dequantize(t[a:a + CHUNK_ROWS], type_id, w.in_features).to(x.dtype))

@@ -40,21 +40,23 @@ void check_blocks(const at::Tensor& w, int64_t type, int64_t K) {
 }
 
 // Which path a type's few-row kernel takes: the integer dots wherever they are faster than the float path.
-// benchmarks/gguf_kernels.py --paths float integer --rows 1 4 8, GB/s of weights, [4864, 896] (K-quants
-// [4864, 768]), one thread on a Zen 4 shared with other work (best of 5), float -> integer:
-//            AVX-512 build                               AVX2 build (ATEN_CPU_CAPABILITY=avx2)
-//            1 row          4 rows         8 rows        1 row          4 rows
-//   Q8_0     13.4 -> 19.1    5.3 ->  5.9    4.3 ->  5.3      7.7 -> 19.6    3.3 ->  5.8
-//   Q4_0      6.7 -> 11.3    2.9 ->  3.7    2.4 ->  3.5      3.7 ->  9.8    2.3 ->  3.5
-//   Q4_1      6.2 -> 10.2    3.1 ->  3.9    2.6 ->  3.8      4.5 ->  9.7    2.6 ->  3.9
-//   Q5_0      5.4 ->  8.7    2.8 ->  3.9    2.5 ->  3.9      3.8 ->  8.1    2.4 ->  3.7
-//   Q5_1      5.7 ->  9.6    3.0 ->  4.2    2.7 ->  4.1      4.1 ->  8.2    2.5 ->  4.0
-//   IQ4_NL    6.0 ->  7.5    2.7 ->  2.7    2.4 ->  2.7      4.1 ->  7.0    2.3 ->  2.7
-//   Q4_K      3.7 -> 10.3    2.4 ->  4.2    2.2 ->  4.0      3.2 -> 10.2    2.0 ->  4.1
-//   Q5_K      4.0 ->  8.4    2.5 ->  4.5    2.4 ->  4.2      2.8 ->  7.8    1.9 ->  4.1
-//   Q6_K      5.8 -> 10.1    3.2 ->  5.1    2.8 ->  4.6      3.6 ->  8.7    2.2 ->  4.3
-// The integer path is the faster (IQ4_NL: level at 4 rows) in both builds. It stays on maddubs / madd: VNNI's
-// dpbusd (AVX512-VNNI, AVX-VNNI) would fuse the two, but is in neither build's flags.
+// benchmarks/gguf_kernels.py --paths float integer --rows 1 4 8 --threads 1, GB/s of weights, [4864, 896]
+// (K-quants [4864, 768]), one thread on a Zen 4 shared with other work (best of 5, thread clock), float -> integer:
+//            AVX-512 build                                  AVX2 build (ATEN_CPU_CAPABILITY=avx2)
+//            1 row          4 rows        8 rows          1 row          4 rows        8 rows
+//   Q8_0     16.7 -> 23.9    7.4 -> 10.3    4.6 ->  5.8    12.4 -> 21.3    6.4 ->  7.6    4.2 ->  4.2
+//   Q4_0      7.4 -> 11.2    3.7 ->  4.7    2.4 ->  3.0     5.1 ->  9.0    3.0 ->  3.9    2.3 ->  2.2
+//   Q4_1      8.0 -> 11.9    4.0 ->  5.0    2.6 ->  3.1     6.2 -> 10.0    3.3 ->  4.1    2.6 ->  2.4
+//   Q5_0      6.6 -> 10.6    3.8 ->  5.2    2.6 ->  3.4     5.4 ->  8.3    3.1 ->  4.2    2.5 ->  2.5
+//   Q5_1      7.0 -> 11.1    3.9 ->  5.4    2.7 ->  3.4     5.8 ->  8.8    3.4 ->  4.5    2.7 ->  2.6
+//   IQ4_NL    7.7 -> 10.3    3.7 ->  4.5    2.4 ->  2.9     5.7 ->  9.2    3.0 ->  3.8    2.3 ->  2.2
+//   Q4_K      5.4 -> 10.9    3.4 ->  5.3    2.2 ->  3.2     4.9 -> 10.4    2.6 ->  4.4    1.7 ->  1.6
+//   Q5_K      5.5 ->  9.1    3.5 ->  5.6    2.5 ->  3.5     4.2 ->  8.2    2.7 ->  4.6    1.6 ->  2.5
+//   Q6_K      7.0 -> 13.1    4.2 ->  5.5    2.9 ->  3.2     5.0 -> 11.7    3.2 ->  4.8    2.5 ->  2.3
+// The integer path is the faster in both builds at 1 and 4 rows (1.3-2.4x at one row); at 8 rows (and so for
+// batches, 8 rows at a time) it is ahead in the AVX-512 build and level within noise in the AVX2 one, whose 16
+// registers cannot hold a span's 16 vectors of int16 weights. It stays on madd: VNNI's dpwssd (AVX512-VNNI,
+// AVX-VNNI) would fuse the adds, but is in neither build's flags.
 bool integer_path(int64_t type) {
   switch (type) {
     case kQ8_0: case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kIQ4_NL: case kQ4_K: case kQ5_K: case kQ6_K:

@@ -1,8 +1,7 @@
 """GGUF block formats in pagoda's one quantized-linear dispatch (engine/layers/quantization.py): each block
 type's CPU kernel (csrc/gguf_cpu.cpp) against gguf.quants.dequantize(W), the `gguf` package's own reading of the
-blocks. Many rows (dequantized chunks) and the few-row float path (the dispatch's, qz.GGUF_FEW_ROW_PATH) equal
-dequantize(W) @ x within float32 rounding; the few-row integer path (the op's default for the types in INTEGER)
-equals dequantize(W) @ q16(x), its 16-bit activations written here in Python, within float32 rounding, and
+blocks. Many rows (dequantized chunks) and the few-row float path equal dequantize(W) @ x within float32 rounding;
+the few-row integer path (the op's default, and so the dispatch's, for the types in INTEGER) equals dequantize(W) @ q16(x), its 16-bit activations written here in Python, within float32 rounding, and
 dequantize(W) @ x within the bound those activations' rounding gives. Both ISA builds: test_cpu_ops.py runs the tests named "matches" under ATEN_CPU_CAPABILITY=avx2."""
 import numpy as np
 import pytest
@@ -94,11 +93,13 @@ def _check_linear(qtype, rows: int, k: int):
     layer, dense = _layer([(qtype.name, b)], k, bias=True)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     want = F.linear(x, dense, layer.bias)
-    got = layer(x)  # the dispatch: qz.GGUF_FEW_ROW_PATH (float) below DEQUANT_MIN_ROWS
+    got = layer(x)  # the dispatch: below DEQUANT_MIN_ROWS the op's own path (the integer one for INTEGER)
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
-    if qtype in INTEGER and rows < qz.DEQUANT_MIN_ROWS:  # the op's own choice: the integer path
-        _assert_integer_path(cpu_ops.ops().gguf_linear(x, torch.from_numpy(b), int(qtype)), x, dense)
+    if qtype in INTEGER and rows < qz.DEQUANT_MIN_ROWS:
+        _assert_integer_path(got, x, dense, layer.bias)
+        got = cpu_ops.ops().gguf_linear(x, torch.from_numpy(b), int(qtype), FLOAT) + layer.bias
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
