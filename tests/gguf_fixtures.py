@@ -358,6 +358,21 @@ def write_gguf(ckpt: str, path: str, types: dict | None = None, float_type: Q = 
     return path
 
 
+def assert_config_matches(ckpt: str, path: str, keys: list[str]):
+    """The config pagoda builds from a GGUF file's metadata against the source checkpoint's: model type,
+    architectures, and each of `keys` the checkpoint sets. Returns (checkpoint's, file's)."""
+    import pytest
+    from pagoda.engine.gguf import load_config
+    from transformers import AutoConfig
+
+    want, got = AutoConfig.from_pretrained(ckpt), load_config(path)
+    assert got.model_type == want.model_type and got.architectures == want.architectures
+    for k in keys:  # None in the checkpoint: a size it leaves implied (Mixtral's head_dim)
+        if getattr(want, k, None) is not None:
+            assert getattr(got, k, None) == pytest.approx(getattr(want, k)), k
+    return want, got
+
+
 def engine_greedy(model: str, prompt: list[int], n: int, **options) -> tuple[list[int], torch.nn.Module]:
     """(pagoda's greedy tokens after `prompt`, the engine's model) for a GGUF file (or hub name of one)."""
     from grpc_fixtures import engine_config

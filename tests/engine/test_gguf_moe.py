@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import FAMILIES
 from gguf import GGMLQuantizationType as Q
-from gguf_fixtures import engine_greedy, transformers_greedy, blocks, dequantized_state, write_gguf
+from gguf_fixtures import (assert_config_matches, blocks, dequantized_state, engine_greedy, transformers_greedy,
+                           write_gguf)
 from pagoda.engine.gguf import load_config
 from pagoda.engine.layers import cpu_ops
 from pagoda.engine.layers.moe import Experts
@@ -62,17 +63,11 @@ def _reference(ckpt: str, state=None, n: int = 10) -> list[int]:
 
 @pytest.mark.parametrize("family", MOE)
 def test_config_from_the_metadata_is_the_checkpoints(checkpoints, files, family):
-    from transformers import AutoConfig
-
-    want, got = AutoConfig.from_pretrained(checkpoints[family]), load_config(files[family, "float"])
-    assert got.model_type == want.model_type and got.architectures == want.architectures
     keys = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_experts_per_tok",
             "num_local_experts", "num_experts", "intermediate_size", "moe_intermediate_size", "norm_topk_prob",
             "shared_expert_intermediate_size", "mlp_only_layers", "swiglu_limit", "sliding_window", "layer_types",
             "head_dim", "rms_norm_eps"]
-    for k in keys:  # Mixtral's head_dim: None there (the size it implies here)
-        if getattr(want, k, None) is not None:
-            assert getattr(got, k, None) == pytest.approx(getattr(want, k)), k
+    want, got = assert_config_matches(checkpoints[family], files[family, "float"], keys)
     if family == "gpt_oss":
         assert {k: got.rope_parameters[k] for k in want.rope_parameters} == want.rope_parameters
 
